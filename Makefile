@@ -1,0 +1,28 @@
+# Two commands do all the set-up on a fresh machine: `make demo` (the quick study) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTHON ?= python3
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rematlab study --grid quick --db results/quick.duckdb --out results/study --device cpu
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/strategies.py
+	$(PY) benchmarks/planner.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

@@ -1,0 +1,242 @@
+"""Any model becomes a chain of blocks, and each block gets its costs.
+
+Chains. `nn.Sequential` children are blocks. Other models are traced with `torch.fx`; a cut
+point is a node after which the only value still needed downstream is that node's own output
+(a single tensor carries all live state forward). Residual stages, inverted bottlenecks and
+Transformer layers close their skips inside a block, so they become chain links; a U-Net's long
+skips span many layers, so it yields fewer, larger blocks. When tracing fails, the module's
+children are used if running them in order reproduces the model's output, and the caller is
+told which way was taken.
+
+Costs. `profile_chain` runs every block once forward and backward with the live-tensor tracker:
+input/output bytes, saved bytes (parameters excluded), the transient peaks of forward and
+backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. On the
+`meta` device nothing is computed and times are replaced by FLOPs: a prediction, not a
+measurement, which is how the planner works before it has touched the hardware.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from rematlab.plan import ChainCosts
+from rematlab.probes import LiveTensorTracker, clock_for, storage_key
+
+
+@dataclass(frozen=True)
+class ChainInfo:
+    blocks: list[nn.Module]
+    method: str  # "sequential", "fx", or "children"
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the meta device, made without copying any weight data."""
+    memo: dict[int, object] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        clone = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(clone, t.requires_grad) if isinstance(t, nn.Parameter) else clone
+    return copy.deepcopy(module, memo)
+
+
+def find_chain(model: nn.Module, example_input: torch.Tensor | None = None) -> ChainInfo:
+    """Blocks of `model` and how they were found (see module docstring)."""
+    if isinstance(model, nn.Sequential):
+        return ChainInfo(list(model), "sequential")
+    try:
+        return ChainInfo(trace_blocks(model), "fx")
+    except Exception as exc:  # fx raises many kinds of errors on untraceable code
+        children = list(model.children())
+        if example_input is not None and children and _children_reproduce(model, children,
+                                                                            example_input):
+            warnings.warn(f"tracing failed ({exc.__class__.__name__}: {exc}); using the "
+                          "module's children as blocks", stacklevel=2)
+            return ChainInfo(children, "children")
+        raise ValueError(f"cannot find a chain of blocks in {type(model).__name__}: tracing "
+                         f"failed ({exc}); pass the list of blocks explicitly") from exc
+
+
+def _children_reproduce(model: nn.Module, children: list[nn.Module], x: torch.Tensor) -> bool:
+    with torch.no_grad():
+        try:
+            want, got = model(x), x
+            for child in children:
+                got = child(got)
+        except Exception:
+            return False
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want)
+
+
+def trace_blocks(model: nn.Module) -> list[nn.Module]:
+    """Cut an fx trace of `model` into single-tensor-boundary blocks (GraphModules sharing the
+    model's parameters)."""
+    graph = fx.symbolic_trace(model).graph
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise ValueError(f"a chain needs exactly one input, the model takes {len(inputs)}")
+    order = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((order[u] for u in n.users), default=order[n]) for n in nodes}
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    cuts: list[int] = []
+    for i, node in enumerate(body):
+        if i == len(body) - 1:
+            break
+        pos = order[node]
+        live = [n for n in nodes[: pos + 1] if last_use[n] > pos and n.op != "get_attr"]
+        if live == [node]:
+            cuts.append(i)
+    bounds = [-1, *cuts, len(body) - 1]
+    blocks = []
+    for a, b in itertools.pairwise(bounds):
+        blocks.append(_subgraph(model, body[a + 1: b + 1], inputs[0] if a < 0 else body[a]))
+    return blocks
+
+
+def _subgraph(root: nn.Module, nodes: list[fx.Node], entry: fx.Node) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {entry: g.placeholder("x")}
+    for node in nodes:
+        env[node] = g.node_copy(node, lambda n: env[n] if n in env else _get_attr(g, env, n))
+    g.output(env[nodes[-1]])
+    return fx.GraphModule(root, g)
+
+
+def _get_attr(g: fx.Graph, env: dict, node: fx.Node) -> fx.Node:
+    if node.op != "get_attr":
+        raise ValueError(f"value {node.name} crosses a block boundary")
+    env[node] = g.node_copy(node)
+    return env[node]
+
+
+def profile_chain(
+    blocks: list[nn.Module],
+    example_input: torch.Tensor,
+    device: torch.device | None = None,
+    optimizer: str = "sgd",
+    repeats: int = 3,
+) -> ChainCosts:
+    """Per-block costs at the example input's batch size (see module docstring)."""
+    device = device or example_input.device
+    meta = device.type == "meta"
+    run = [meta_copy(b) for b in blocks] if meta else blocks
+    x = example_input.to(device)
+    base_input = x.element_size() * x.numel()
+    fields: dict[str, list] = {k: [] for k in (
+        "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
+        "fwd_time", "bwd_time", "fwd_flops")}
+    params_bytes = 0
+    for i, block in enumerate(run):
+        x_in = x.detach().requires_grad_(i > 0 and x.is_floating_point())
+        r = _profile_block(block, x_in, repeats=0 if meta else repeats)
+        for key, value in r.items():
+            if key in fields:
+                fields[key].append(value)
+        params_bytes += r["params"]
+        x = r["out"]
+    fields["x"].append(x.element_size() * x.numel())
+    if meta:
+        fields["fwd_time"] = list(fields["fwd_flops"])
+        fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
+    state, transient = optimizer_memory([p for b in run for p in b.parameters()], optimizer)
+    out_bytes = fields["x"][-1]
+    loss_bytes = 2 * out_bytes + 8 * x.shape[0]  # log-softmax, its gradient, int64 labels
+    grads = sum(fields["grad"])
+    return ChainCosts(
+        **fields,
+        base=params_bytes + state + base_input + loss_bytes,
+        optimizer_peak=params_bytes + grads + state + transient + base_input,
+    )
+
+
+def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
+    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]}
+    saved: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    for p in block.parameters():
+        p.grad = None
+    tracker = LiveTensorTracker()
+    tracker.track([x_in])
+    before = tracker.live
+    flops = FlopCounterMode(display=False)
+    with tracker, flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x_in)
+    fwd_mem = tracker.peak - before
+    fwd_flops = flops.get_total_flops()
+    kin, kout = storage_key(x_in), storage_key(out)
+    grad_out = torch.ones_like(out)
+    tracker.track([grad_out])
+    before_bwd = tracker.live
+    tracker.reset_peak()
+    if out.requires_grad:
+        with tracker:
+            out.backward(grad_out)
+    bwd_mem = tracker.peak - before_bwd
+    fwd_time, bwd_time = _time_block(block, x_in, repeats) if repeats else (0.0, 0.0)
+    return {
+        "x": x_in.element_size() * x_in.numel(),
+        "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
+        "keeps_input": kin in saved,
+        "keeps_output": kout in saved,
+        "fwd_mem": fwd_mem,
+        "bwd_mem": bwd_mem,
+        "grad": sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad),
+        "fwd_time": fwd_time,
+        "bwd_time": bwd_time,
+        "fwd_flops": float(fwd_flops),
+        "params": sum(p.numel() * p.element_size() for p in block.parameters()),
+        "out": out.detach(),
+    }
+
+
+def _time_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> tuple[float, float]:
+    clock = clock_for(x_in.device)
+    fwd, bwd = [], []
+    for _ in range(repeats + 1):  # the first round warms up
+        clock.start()
+        out = block(x_in)
+        fwd.append(clock.stop())
+        grad = torch.ones_like(out)
+        clock.start()
+        if out.requires_grad:
+            out.backward(grad)
+        bwd.append(clock.stop())
+    for p in block.parameters():
+        p.grad = None
+    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+
+
+def optimizer_memory(params: list[torch.Tensor], name: str) -> tuple[int, int]:
+    """Bytes of optimizer state and the transient peak of a step, measured on tensors shaped
+    like `params` on their device (meta costs nothing)."""
+    from rematlab.measure import make_optimizer
+
+    trainable = [p for p in params if p.requires_grad]
+    clones = [nn.Parameter(torch.zeros_like(p)) for p in trainable]
+    for c in clones:
+        c.grad = torch.zeros_like(c)
+    opt = make_optimizer(name, clones)
+    tracker = LiveTensorTracker()
+    tracker.track([*clones, *(c.grad for c in clones)])
+    with tracker:
+        opt.step()
+    before = tracker.live
+    state = before - sum(2 * c.numel() * c.element_size() for c in clones)
+    tracker.reset_peak()
+    with tracker:
+        opt.step()
+    return state, tracker.peak - before

@@ -1,0 +1,125 @@
+"""The `rematlab` command: thin typer commands, one library call each.
+
+Bad input prints one line, `error: ...`, and exits with status 2; `--json` prints machine-
+readable output, tables are for people.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rematlab.exceptions import ConfigError, RematlabError, format_bytes, parse_bytes
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Measure, model and optimize activation rematerialization in PyTorch.")
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """Measure, model and optimize activation rematerialization in PyTorch."""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    raise typer.Exit(code)
+
+
+def handles_errors(fn: Callable) -> Callable:
+    """User errors become one line on stderr and exit status 2, never a traceback."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, RematlabError, ValueError, FileNotFoundError,
+                PermissionError, IsADirectoryError) as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+    return wrapper
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    from rematlab.zoo import parse_shape
+
+    return parse_shape(text) if text else None
+
+
+@app.command()
+@handles_errors
+def measure(
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    batch: Annotated[int, typer.Option(help="batch size")] = 32,
+    strategy: Annotated[str, typer.Option(help="none, uniform:N, every:K, selective[:T], "
+                                               "sqrt, plan:FILE.json")] = "none",
+    input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="per-sample shape, e.g. 3,32,32")] = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam")] = "momentum",
+    warmup: int = 2,
+    repeats: int = 5,
+    max_memory: Annotated[str | None, typer.Option(help="cap, e.g. 512MiB: above it, oom")] = None,
+    threads: int | None = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Measure one training configuration: step time, peak memory, saved bytes, FLOPs."""
+    from rematlab.measure import Spec
+    from rematlab.measure import measure as run
+
+    spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
+                input_shape=_shape(input_shape), device=device, dtype=dtype,
+                optimizer=optimizer, warmup=warmup, repeats=repeats, threads=threads,
+                max_memory=parse_bytes(max_memory) if max_memory else None)
+    obs = run(spec)
+    summary = obs.summary()
+    if as_json:
+        _print_json(summary)
+    else:
+        table = Table(title=f"{model} batch {batch} strategy {strategy} on {device}")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_row("outcome", obs.outcome if not obs.error else f"{obs.outcome}: {obs.error}")
+        if obs.outcome == "ok":
+            for phase in ("step", "forward", "backward", "recompute", "optimizer"):
+                table.add_row(f"{phase} time (median ± IQR)",
+                              f"{obs.median(phase) * 1e3:.2f} ± {obs.iqr(phase) * 1e3:.2f} ms")
+            table.add_row("peak memory", format_bytes(obs.peak or 0))
+            table.add_row("saved activations", format_bytes(obs.figures["saved_activation_bytes"]))
+            for key in ("forward_flops", "backward_flops", "recompute_flops"):
+                table.add_row(key.replace("_", " "), f"{obs.figures[key] / 1e9:.3f} GFLOP")
+            table.add_row("plan", str(obs.figures["plan"]))
+            if obs.noisy:
+                table.add_row("warning", "step time IQR > 10% of median: too noisy to trust")
+        console.print(table)
+    if obs.outcome == "error":
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+"""Measure one training configuration: a frozen `Spec` in, an `Observation` out.
+
+A step is forward, cross-entropy loss, backward (which includes recomputation) and an
+optimizer step, on synthetic data. After `warmup` steps (at least 2: optimizer state appears on
+the first), each of `repeats` rounds runs one *timed* step and one *tracked* step:
+
+- timed: device-synchronised clock around each phase (CUDA events on GPU), nothing else on;
+- tracked: peak memory of the whole step (CUDA: allocator peak after a reset; CPU: the
+  live-tensor tracker of `rematlab.probes`), per phase.
+
+Doing both in one step would let the CPU tracker's per-op bookkeeping inflate the times. The
+first warm-up step is tracked too (a `max_memory` cap stops the run there); the second counts
+FLOPs (forward, backward, of which recomputation) and the bytes saved for backward, in a step
+of its own because the FLOP counter holds tensors a little longer and would inflate the peak.
+Out-of-memory — real, or past the `max_memory` cap that emulates a smaller device — is an
+outcome, `oom`, not a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import socket
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from rematlab import strategies, zoo
+from rematlab.exceptions import ConfigError, SimulatedOOM
+from rematlab.probes import Clock, LiveTensorTracker, clock_for, storage_key
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+NOISY_IQR_RATIO = 0.10  # IQR / median above this: too noisy to conclude from
+
+
+def make_optimizer(name: str, params, lr: float = 0.01) -> torch.optim.Optimizer:
+    """`sgd` (plain), `momentum` (SGD, momentum 0.9: the default) or `adam`."""
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr * 0.1)
+    raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What is measured. Frozen, hashable, and the identity of a configuration in a sweep."""
+
+    model: str
+    batch: int
+    strategy: str = "none"
+    input: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    optimizer: str = "momentum"
+    warmup: int = 2
+    repeats: int = 5
+    max_memory: int | None = None
+    threads: int | None = None
+    seed: int = 0
+
+    def validate(self) -> Spec:
+        """Check every field; return the spec with the zoo's default input filled in."""
+        if self.batch <= 0:
+            raise ConfigError(f"batch must be a positive integer, got {self.batch}")
+        if self.warmup < 2:
+            raise ConfigError(f"warmup must be at least 2 (optimizer state), got {self.warmup}")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be at least 1, got {self.repeats}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        if self.max_memory is not None and self.max_memory <= 0:
+            raise ConfigError(f"max_memory must be positive, got {self.max_memory}")
+        strategies.parse(self.strategy)
+        parse_device(self.device)
+        if self.model in zoo.REGISTRY:
+            info = zoo.REGISTRY[self.model]
+            scale = self.input or info.default_scale
+            if scale not in info.scales:
+                raise ConfigError(f"input {scale!r} is not available for {self.model}; choose "
+                                  f"one of {sorted(info.scales)}")
+            return replace(self, input=scale)
+        if ":" not in self.model:
+            raise ConfigError(f"unknown model {self.model!r}; choose one of "
+                              f"{sorted(zoo.REGISTRY)} or give module.path:factory")
+        if self.input_shape is None:
+            raise ConfigError(f"model {self.model!r} needs an input shape")
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["input_shape"] = list(self.input_shape) if self.input_shape else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Spec:
+        d = dict(d)
+        if d.get("input_shape"):
+            d["input_shape"] = tuple(d["input_shape"])
+        return cls(**d)
+
+
+@dataclass
+class Observation:
+    """What was observed: raw per-repeat figures plus the step's static figures."""
+
+    spec: Spec
+    outcome: str  # ok | oom | error
+    error: str | None = None
+    times: dict[str, list[float]] = field(default_factory=dict)  # phase -> seconds per repeat
+    peaks: list[int] = field(default_factory=list)  # bytes per repeat
+    reserved: list[int] = field(default_factory=list)
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
+    methods: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | int | None] = field(default_factory=dict)
+    measured_seconds: float = 0.0  # time spent inside measured steps
+
+    def median(self, phase: str = "step") -> float:
+        return statistics.median(self.times[phase]) if self.times.get(phase) else math.nan
+
+    def iqr(self, phase: str = "step") -> float:
+        values = self.times.get(phase) or []
+        if len(values) < 2:
+            return math.nan
+        q1, q3 = np.percentile(values, [25, 75])
+        return float(q3 - q1)
+
+    @property
+    def noisy(self) -> bool:
+        """The step-time IQR exceeds NOISY_IQR_RATIO of its median."""
+        med = self.median()
+        return bool(med > 0 and self.iqr() / med > NOISY_IQR_RATIO)
+
+    @property
+    def peak(self) -> int | None:
+        return max(self.peaks) if self.peaks else None
+
+    def summary(self) -> dict:
+        """One flat dict: medians, IQRs, peak, figures, methods (what a CLI prints as JSON)."""
+        out: dict = {"spec": self.spec.to_dict(), "outcome": self.outcome, "error": self.error}
+        for phase in self.times:
+            out[f"{phase}_s_median"] = self.median(phase)
+            out[f"{phase}_s_iqr"] = self.iqr(phase)
+        out["peak_bytes"] = self.peak
+        out["peak_bytes_spread"] = (max(self.peaks) - min(self.peaks)) if self.peaks else None
+        out["phase_peak_bytes"] = self.phase_peaks
+        out["noisy"] = self.noisy if self.times else None
+        out["repeats"] = len(self.peaks)
+        out.update(self.figures)
+        out["methods"] = self.methods
+        out["env"] = self.env
+        return out
+
+    def rows(self) -> list[dict]:
+        """One dict per repeat (the dataset's grain); a failed run is one row with its outcome."""
+        base = {**{f"cfg_{k}": v for k, v in self.spec.to_dict().items()},
+                "outcome": self.outcome, "error": self.error, **self.figures,
+                **{f"method_{k}": v for k, v in self.methods.items()}, **self.env}
+        base["cfg_input_shape"] = ",".join(map(str, self.spec.input_shape or ())) or None
+        n = max(len(self.peaks), 1) if self.outcome == "ok" else 1
+        rows = []
+        for r in range(n):
+            row = dict(base, repeat=r)
+            for phase, values in self.times.items():
+                row[f"{phase}_s"] = values[r] if r < len(values) else None
+            row["peak_bytes"] = self.peaks[r] if r < len(self.peaks) else None
+            row["reserved_bytes"] = self.reserved[r] if r < len(self.reserved) else None
+            rows.append(row)
+        return rows
+
+
+def parse_device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {text!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {text!r}; use cpu, cuda or cuda:N")
+    return device
+
+
+def environment(device: torch.device) -> dict[str, str | int | None]:
+    """Where a figure was measured (stored with every row)."""
+    from rematlab import __version__
+
+    cuda = device.type == "cuda"
+    vendor = "CPU"
+    if cuda:
+        vendor = "AMD" if torch.version.hip else "NVIDIA"
+    return {
+        "device_name": torch.cuda.get_device_name(device) if cuda else _cpu_model(),
+        "vendor": vendor,
+        "cuda_version": torch.version.cuda if cuda and not torch.version.hip else None,
+        "rocm_version": torch.version.hip if cuda else None,
+        "torch_version": torch.__version__,
+        "cpu_model": _cpu_model(),
+        "threads": torch.get_num_threads(),
+        "host": socket.gethostname(),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "rematlab_version": __version__,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _Setup:
+    """Model, optimizer and synthetic batch of one configuration, on its device."""
+
+    def __init__(self, spec: Spec, device: torch.device) -> None:
+        dtype = DTYPES[spec.dtype]
+        torch.manual_seed(spec.seed)
+        model, shape, _ = zoo.resolve(spec.model, spec.input, spec.input_shape)
+        self.model = model.to(device=device, dtype=dtype).train()
+        self.data = torch.randn(spec.batch, *shape, device=device, dtype=dtype)
+        with torch.no_grad():
+            classes = self.model(self.data[:1]).shape[-1]
+        self.labels = torch.randint(0, classes, (spec.batch,), device=device)
+        self.remat = strategies.apply(self.model, spec.strategy, example_input=self.data)
+        self.opt = make_optimizer(spec.optimizer, self.model.parameters())
+
+    def persistent(self) -> list[torch.Tensor]:
+        state = [t for s in self.opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        return [*self.model.parameters(), *self.model.buffers(), *state, self.data, self.labels]
+
+
+def _step(s: _Setup, clock: Clock, around: Callable[[str], object] | None = None
+          ) -> dict[str, float]:
+    """One training step; `around(phase)` may return a context manager wrapping the phase."""
+    def ctx(phase: str):
+        return around(phase) if around else contextlib.nullcontext()
+
+    s.opt.zero_grad(set_to_none=True)
+    s.remat.recompute.seconds = 0.0
+    times = {}
+    clock.start()
+    with ctx("forward"):
+        loss = F.cross_entropy(s.remat(s.data), s.labels)
+    times["forward"] = clock.stop()
+    clock.start()
+    with ctx("backward"):
+        loss.backward()
+    times["backward"] = clock.stop()
+    clock.start()
+    with ctx("optimizer"):
+        s.opt.step()
+    times["optimizer"] = clock.stop()
+    times["recompute"] = s.remat.recompute.seconds
+    times["step"] = times["forward"] + times["backward"] + times["optimizer"]
+    return times
+
+
+class _Tracked:
+    """One tracked step: peaks per phase (and FLOPs, saved bytes when asked)."""
+
+    def __init__(self, s: _Setup, device: torch.device, cap: int | None, count: bool) -> None:
+        self.s, self.device, self.cap, self.count = s, device, cap, count
+        self.phase_peaks: dict[str, int] = {}
+        self.flops: dict[str, float] = {}
+        self.saved_bytes = 0
+
+    def run(self) -> tuple[int, int]:
+        s, cuda = self.s, self.device.type == "cuda"
+        self.tracker = None if cuda else LiveTensorTracker(self.cap)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            s.opt.zero_grad(set_to_none=True)
+            self.tracker.track(s.persistent())
+        _step(s, clock_for(self.device), self._around)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            if self.cap is not None and peak > self.cap:
+                raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
+            return peak, reserved
+        peak = max(self.phase_peaks.values())
+        return peak, peak
+
+    def _around(self, phase: str):
+        stack = contextlib.ExitStack()
+        stack.callback(self._record, phase)
+        if self.tracker is not None:
+            self.tracker.reset_peak()
+            stack.enter_context(self.tracker)
+        else:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.count:
+            counter = FlopCounterMode(display=False)
+            stack.callback(lambda: self.flops.__setitem__(phase, counter.get_total_flops()))
+            stack.enter_context(counter)
+            if phase == "backward":
+                stack.enter_context(self._count_recompute())
+            if phase == "forward":
+                stack.enter_context(self._saved_probe())
+        return stack
+
+    def _record(self, phase: str) -> None:
+        if self.tracker is not None:
+            self.phase_peaks[phase] = self.tracker.peak
+        else:
+            self.phase_peaks[phase] = torch.cuda.max_memory_allocated(self.device)
+
+    def _count_recompute(self):
+        rec = self.s.remat.recompute
+        original = rec.region
+        counter = FlopCounterMode(display=False)
+
+        @contextlib.contextmanager
+        def counted():
+            with original(), counter:
+                yield
+
+        @contextlib.contextmanager
+        def swap():
+            rec.region = counted
+            try:
+                yield
+            finally:
+                rec.region = original
+                self.flops["recompute"] = counter.get_total_flops()
+
+        return swap()
+
+    def _saved_probe(self):
+        s = self.s
+        excluded = {storage_key(t) for t in [*s.model.parameters(), *s.model.buffers(), s.data]}
+        seen: dict = {}
+
+        def note(t: torch.Tensor) -> None:
+            key = storage_key(t)
+            if key not in excluded:
+                seen[key] = t.untyped_storage().nbytes()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            note(t)
+            return t
+
+        @contextlib.contextmanager
+        def probe():
+            s.remat.hooks.append(note)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    yield
+            finally:
+                s.remat.hooks.remove(note)
+                self.saved_bytes = sum(seen.values())
+
+        return probe()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (SimulatedOOM, MemoryError)):
+        return True
+    if torch.cuda.is_available() and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def measure(spec: Spec, clock: Clock | None = None) -> Observation:
+    """Measure `spec` (see module docstring). Never raises for OOM or runtime failures:
+    they become the observation's outcome. Bad specs raise `ConfigError`."""
+    spec = spec.validate()
+    device = parse_device(spec.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {spec.device!r} requested but CUDA/ROCm is not available")
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    obs = Observation(spec=spec, outcome="ok", env=environment(device))
+    clock = clock or clock_for(device)
+    obs.methods = {
+        "time": f"{type(clock).__name__}, device-synchronised, per phase; median and IQR "
+                f"of {spec.repeats} steps after {spec.warmup} warm-up steps",
+        "peak": "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
+                if device.type == "cuda" else LiveTensorTracker.method,
+        "flops": "torch.utils.flop_counter.FlopCounterMode, second warm-up step",
+        "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
+                 "buffers and the input batch excluded",
+    }
+    setup = None
+    try:
+        setup = _Setup(spec, device)
+        _Tracked(setup, device, spec.max_memory, count=False).run()  # warm-up 1, capped
+        counted = _Tracked(setup, device, None, count=True)
+        counted.run()  # warm-up 2: FLOPs and saved bytes
+        for _ in range(spec.warmup - 2):
+            _step(setup, clock)
+        times: dict[str, list[float]] = {}
+        for _ in range(spec.repeats):
+            for phase, value in _step(setup, clock).items():
+                times.setdefault(phase, []).append(value)
+            tracked = _Tracked(setup, device, spec.max_memory, count=False)
+            peak, reserved = tracked.run()
+            obs.peaks.append(peak)
+            obs.reserved.append(reserved)
+        obs.times = times
+        obs.measured_seconds = sum(times["step"])
+        obs.phase_peaks = tracked.phase_peaks
+        obs.figures = _figures(setup, counted)
+    except ConfigError:
+        raise
+    except Exception as exc:  # an outcome to record, not a crash
+        obs.outcome = "oom" if _is_oom(exc) else "error"
+        obs.error = f"{type(exc).__name__}: {exc}"[:500]
+        obs.times, obs.peaks, obs.reserved = {}, [], []
+    finally:
+        del setup
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return obs
+
+
+def _figures(s: _Setup, tracked: _Tracked) -> dict[str, float]:
+    params = [p for p in s.model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    state = [t for st in s.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return {
+        "params": sum(p.numel() for p in params),
+        "param_bytes": param_bytes,
+        "grad_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state if t.dim() > 0),
+        "saved_activation_bytes": tracked.saved_bytes,
+        "forward_flops": tracked.flops.get("forward", 0.0),
+        "backward_flops": tracked.flops.get("backward", 0.0),
+        "recompute_flops": tracked.flops.get("recompute", 0.0),
+        "optimizer_flops": tracked.flops.get("optimizer", 0.0),
+        "n_blocks": len(s.remat.blocks),
+        "n_segments": len(s.remat.plan.segments),
+        "plan": s.remat.plan.describe(),
+    }
+

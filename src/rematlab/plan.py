@@ -1,0 +1,288 @@
+"""Plans as plain data: which blocks of a chain are checkpointed, nested, and what it costs.
+
+A plan is a sequence of *items* over the blocks `0..n-1` of a chain. An item is either a
+block index (run it and keep what its backward needs) or a `Segment` (run blocks
+`start..end-1` keeping only the segment's input; recompute them during backward following
+the segment's own `inner` items, which may hold further segments: multi-level checkpointing).
+
+This module imports no torch: plans are serialised as JSON and their peak memory and time are
+simulated over per-block cost arrays (`ChainCosts`), the same model the solver optimises.
+
+Design note — the memory model. Memory is accounted relative to a baseline (parameters,
+optimizer state, the input batch, the loss gradient). A block run plainly *holds* its saved
+tensors until its backward; the tensor at a boundary between blocks is counted once, whether
+the block before saves it as output, the block after saves it as input, or a checkpointed
+segment keeps it as its input. Gradients of parameters appear block by block during backward
+(optimizer.zero_grad(set_to_none=True) frees them before the next forward), so the backward of
+block i also holds the gradients of every later block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Union
+
+from rematlab.exceptions import ConfigError
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Checkpoint blocks `start..end-1`; recompute them during backward following `inner`."""
+
+    start: int
+    end: int
+    inner: tuple[Item, ...]
+
+
+Item = Union[int, Segment]  # noqa: UP007 - recursive alias needs the runtime form
+
+
+@dataclass
+class ChainCosts:
+    """Per-block costs of one chain at one batch size, dtype and device (bytes and seconds).
+
+    `x[i]` is the size of the tensor entering block i (`x[n]` the chain's output); `saved[i]`
+    the bytes block i saves for backward other than parameters, its input and its output;
+    `keeps_input`/`keeps_output` whether those boundary tensors are among the saved ones;
+    `fwd_mem[i]` / `bwd_mem[i]` the transient peak of block i's forward / backward above the
+    memory live just before it; `grad[i]` the parameter-gradient bytes of block i.
+    """
+
+    x: list[int]
+    saved: list[int]
+    keeps_input: list[bool]
+    keeps_output: list[bool]
+    fwd_mem: list[int]
+    bwd_mem: list[int]
+    grad: list[int]
+    fwd_time: list[float]
+    bwd_time: list[float]
+    fwd_flops: list[float] = field(default_factory=list)
+    base: int = 0  # parameters + optimizer state + input batch + loss gradient
+    optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
+
+    @property
+    def n(self) -> int:
+        return len(self.saved)
+
+    def grads_between(self, start: int, end: int) -> int:
+        return sum(self.grad[start:end])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ChainCosts:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan for an `n_blocks` chain, with its simulated cost when known."""
+
+    n_blocks: int
+    items: tuple[Item, ...]
+    name: str = "plan"
+    predicted_peak: int | None = None
+    predicted_time: float | None = None
+    budget: int | None = None
+    min_peak: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_items(self.items, 0, self.n_blocks)
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Top-level checkpointed segments."""
+        return [it for it in self.items if isinstance(it, Segment)]
+
+    def describe(self) -> str:
+        """Compact text form: `[0-3]{0,1,[2-3]} 4 5` (brackets are checkpointed segments)."""
+        return " ".join(_describe(it) for it in self.items)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "n_blocks": self.n_blocks,
+                "name": self.name,
+                "items": [_item_to_json(it) for it in self.items],
+                "predicted_peak": self.predicted_peak,
+                "predicted_time": self.predicted_time,
+                "budget": self.budget,
+                "min_peak": self.min_peak,
+            },
+            indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+            items = tuple(_item_from_json(it) for it in data["items"])
+            return cls(
+                n_blocks=int(data["n_blocks"]),
+                items=items,
+                name=data.get("name", "plan"),
+                predicted_peak=data.get("predicted_peak"),
+                predicted_time=data.get("predicted_time"),
+                budget=data.get("budget"),
+                min_peak=data.get("min_peak"),
+            )
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"not a rematlab plan: {exc}") from None
+
+
+def _describe(item: Item) -> str:
+    if isinstance(item, int):
+        return str(item)
+    inner = ",".join(_describe(i) for i in item.inner)
+    return f"[{item.start}-{item.end - 1}]{{{inner}}}"
+
+
+def _item_to_json(item: Item) -> int | dict:
+    if isinstance(item, int):
+        return item
+    return {"checkpoint": [item.start, item.end], "inner": [_item_to_json(i) for i in item.inner]}
+
+
+def _item_from_json(data: int | dict) -> Item:
+    if isinstance(data, int):
+        return data
+    start, end = data["checkpoint"]
+    return Segment(int(start), int(end), tuple(_item_from_json(i) for i in data["inner"]))
+
+
+def validate_items(items: tuple[Item, ...], start: int, end: int) -> None:
+    """Items must cover `start..end-1` in order, each block once; segments likewise inside."""
+    pos = start
+    for item in items:
+        if isinstance(item, int):
+            if item != pos:
+                raise ConfigError(f"plan expects block {pos} next, found block {item}")
+            pos += 1
+        else:
+            if item.start != pos or item.end <= item.start:
+                raise ConfigError(
+                    f"plan segment [{item.start}, {item.end}) does not start at {pos}")
+            validate_items(item.inner, item.start, item.end)
+            pos = item.end
+    if pos != end:
+        raise ConfigError(f"plan covers blocks up to {pos - 1}, expected up to {end - 1}")
+
+
+# --- plans of the fixed strategies -------------------------------------------------------------
+
+
+def plain(start: int, end: int) -> tuple[Item, ...]:
+    return tuple(range(start, end))
+
+
+def segments_plan(n: int, bounds: list[int], name: str) -> Plan:
+    """Checkpoint every segment `bounds[j]..bounds[j+1]-1` except the last, as
+    `torch.utils.checkpoint.checkpoint_sequential` does (the last one would be recomputed
+    immediately, so checkpointing it only costs time)."""
+    items: list[Item] = []
+    for j in range(len(bounds) - 1):
+        a, b = bounds[j], bounds[j + 1]
+        if j < len(bounds) - 2:
+            items.append(Segment(a, b, plain(a, b)))
+        else:
+            items.extend(plain(a, b))
+    return Plan(n, tuple(items), name=name)
+
+
+def uniform_plan(n: int, segments: int, name: str | None = None) -> Plan:
+    """`segments` near-equal segments over n blocks (at most n)."""
+    k = max(1, min(segments, n))
+    bounds = [round(j * n / k) for j in range(k + 1)]
+    return segments_plan(n, bounds, name or f"uniform:{segments}")
+
+
+def every_plan(n: int, size: int) -> Plan:
+    """Segments of `size` consecutive blocks (the last may be shorter)."""
+    bounds = [*range(0, n, size), n]
+    return segments_plan(n, bounds, f"every:{size}")
+
+
+def sqrt_plan(n: int) -> Plan:
+    """Chen et al. (2016): about sqrt(n) segments of sqrt(n) blocks."""
+    return uniform_plan(n, max(1, round(math.sqrt(n))), name="sqrt")
+
+
+def none_plan(n: int) -> Plan:
+    return Plan(n, plain(0, n), name="none")
+
+
+def selective_plan(costs: ChainCosts, threshold: float = 1.0) -> Plan:
+    """Checkpoint the blocks whose saved bytes per forward FLOP are at least `threshold` times
+    the chain's average, merging neighbours into one segment; the last block is never
+    checkpointed (it would be recomputed at once).
+
+    Why bytes per FLOP: dropping a block's activations frees `saved` bytes and costs one more
+    forward of the block; blocks that store much and compute little (pooling, activations,
+    wide early convolutions) are the cheap memory to give back.
+    """
+    n = costs.n
+    stored = [costs.saved[i] + costs.x[i + 1] * costs.keeps_output[i] for i in range(n)]
+    flops = costs.fwd_flops or costs.fwd_time
+    avg = sum(stored) / max(sum(flops), 1e-30)
+    pick = [stored[i] / max(flops[i], 1e-30) >= threshold * avg for i in range(n)]
+    pick[-1] = False
+    items: list[Item] = []
+    i = 0
+    while i < n:
+        if not pick[i]:
+            items.append(i)
+            i += 1
+            continue
+        j = i
+        while j < n and pick[j]:
+            j += 1
+        items.append(Segment(i, j, plain(i, j)))
+        i = j
+    return Plan(n, tuple(items), name="selective" if threshold == 1.0 else f"selective:{threshold}")
+
+
+# --- simulation ----------------------------------------------------------------------------------
+
+
+def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tuple[int, float]:
+    """Memory (above the baseline, with the gradient of `x[end]` counted in it) and time that
+    the items need to run forward and backward over `..end-1`; `held_in` says whether the input
+    of the first item is already held by someone else."""
+    if not items:
+        return 0, 0.0
+    first, rest = items[0], items[1:]
+    if isinstance(first, int):
+        s = first
+        held = (
+            c.saved[s]
+            + (c.x[s] if c.keeps_input[s] and not held_in else 0)
+            + (c.x[s + 1] if c.keeps_output[s] else 0)
+        )
+        m_rest, t_rest = need(rest, end, c.keeps_output[s], c)
+        fwd = (0 if held_in else c.x[s]) + c.fwd_mem[s]
+        bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + c.bwd_mem[s]
+        return max(fwd, held + m_rest, bwd), c.fwd_time[s] + c.bwd_time[s] + t_rest
+    s, k = first.start, first.end
+    held = 0 if held_in else c.x[s]
+    m_rest, t_rest = need(rest, end, False, c)
+    m_in, t_in = need(first.inner, k, True, c)
+    recompute_base = held + c.x[k] - c.x[end] + c.grads_between(k, end)
+    mem = max(held + ck_forward_mem(c, s, k), held + m_rest, recompute_base + m_in)
+    return mem, sum(c.fwd_time[s:k]) + t_rest + t_in
+
+
+def ck_forward_mem(c: ChainCosts, s: int, k: int) -> int:
+    """Transient peak of running blocks s..k-1 without saving anything (the input is held)."""
+    return max(c.fwd_mem[i] + (c.x[i] if i > s else 0) for i in range(s, k))
+
+
+def simulate(plan: Plan, costs: ChainCosts) -> tuple[int, float]:
+    """Peak bytes of the whole training step and its time (seconds) under `plan`."""
+    if plan.n_blocks != costs.n:
+        raise ConfigError(f"plan is for {plan.n_blocks} blocks, the chain has {costs.n}")
+    mem, time = need(plan.items, costs.n, True, costs)
+    return max(costs.base + mem, costs.optimizer_peak), time

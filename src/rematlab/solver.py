@@ -1,0 +1,142 @@
+"""Optimal checkpointing of a chain under a memory limit: a dynamic programme, no torch.
+
+In the spirit of rotor (Beaumont et al., "Optimal checkpointing for heterogeneous chains",
+2019): for every sub-chain [s, t), every memory level m and whether the sub-chain's input is
+already held, the fastest schedule either runs block s keeping its activations and solves
+[s+1, t), or checkpoints a segment [s, k) — keeping only its input — solves [k, t), and later
+recomputes [s, k) under its own optimal (possibly again checkpointed) schedule. That recursion
+is exactly `plan.need`, so the solver's plans and the simulator agree by construction.
+
+Memory is discretised in `unit` bytes; every memory term is rounded up, so a plan the solver
+calls feasible at level m needs at most m * unit bytes in the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.plan import ChainCosts, Item, Plan, Segment, ck_forward_mem, need
+
+_INF = float("inf")
+
+
+@dataclass
+class Solution:
+    """DP tables for one chain: pick a plan for any memory level without solving again."""
+
+    costs: ChainCosts
+    unit: int
+    levels: int
+    table: dict[tuple[int, int, int], np.ndarray]
+    choice: dict[tuple[int, int, int], np.ndarray]
+
+    @property
+    def min_peak(self) -> int:
+        """The smallest step peak any plan reaches (bytes, exact for the plan found)."""
+        top = self.table[(1, 0, self.costs.n)]
+        finite = np.flatnonzero(np.isfinite(top))
+        plan = self._build(1, 0, self.costs.n, int(finite[0]))
+        mem, _ = need(plan, self.costs.n, True, self.costs)
+        return max(self.costs.base + mem, self.costs.optimizer_peak)
+
+    def plan_for(self, budget: int, name: str = "optimal") -> Plan:
+        """The fastest plan whose simulated step peak is at most `budget` bytes."""
+        c = self.costs
+        floor = self.min_peak
+        if budget < floor:
+            raise InfeasibleBudgetError(budget, floor)
+        level = min(self.levels, (budget - c.base) // self.unit)
+        top = self.table[(1, 0, c.n)]
+        while level >= 0 and not np.isfinite(top[level]):
+            level -= 1
+        if level < 0:  # rounding: only the exact floor plan fits
+            level = int(np.flatnonzero(np.isfinite(top))[0])
+        items = self._build(1, 0, c.n, level)
+        mem, time = need(items, c.n, True, c)
+        peak = max(c.base + mem, c.optimizer_peak)
+        return Plan(c.n, items, name=name, predicted_peak=peak, predicted_time=time,
+                    budget=budget, min_peak=floor)
+
+    def _build(self, h: int, s: int, t: int, level: int) -> tuple[Item, ...]:
+        if s == t:
+            return ()
+        c = self.costs
+        k = int(self.choice[(h, s, t)][level])
+        if k < 0:
+            held = _plain_held(c, s, bool(h))
+            return (s, *self._build(int(c.keeps_output[s]), s + 1, t,
+                                    level - _units(held, self.unit)))
+        held = 0 if h else c.x[s]
+        rest = self._build(0, k, t, level - _units(held, self.unit))
+        inner_level = min(self.levels, level - _units(_recompute_base(c, s, k, t, held), self.unit))
+        inner = self._build(1, s, k, inner_level)
+        return (Segment(s, k, inner), *rest)
+
+
+def _units(nbytes: float, unit: int) -> int:
+    return math.ceil(nbytes / unit)
+
+
+def _plain_held(c: ChainCosts, s: int, held_in: bool) -> int:
+    return (c.saved[s] + (c.x[s] if c.keeps_input[s] and not held_in else 0)
+            + (c.x[s + 1] if c.keeps_output[s] else 0))
+
+
+def _recompute_base(c: ChainCosts, s: int, k: int, t: int, held: int) -> int:
+    return held + c.x[k] - c.x[t] + c.grads_between(k, t)
+
+
+def _shift(arr: np.ndarray, by: int) -> np.ndarray:
+    """out[m] = arr[m - by], +inf below 0, clamped to the top level above it."""
+    idx = np.arange(arr.size) - by
+    out = arr[np.clip(idx, 0, arr.size - 1)].copy()
+    out[idx < 0] = _INF
+    return out
+
+
+def solve(costs: ChainCosts, levels: int = 500, unit: int | None = None) -> Solution:
+    """Fill the DP tables up to the memory that keeping every activation needs."""
+    n = costs.n
+    full, _ = need(tuple(range(n)), n, True, costs)
+    unit = unit or max(1, math.ceil(full / levels))
+    levels = math.ceil(full / unit)
+    size = levels + 1
+    mem_levels = np.arange(size)
+    table: dict[tuple[int, int, int], np.ndarray] = {}
+    choice: dict[tuple[int, int, int], np.ndarray] = {}
+    for s in range(n + 1):
+        for h in (0, 1):
+            table[(h, s, s)] = np.zeros(size)
+    for length in range(1, n + 1):
+        for s in range(n - length + 1):
+            t = s + length
+            for h in (0, 1):
+                best, arg = _options(costs, s, t, h, table, mem_levels, unit)
+                table[(h, s, t)] = best
+                choice[(h, s, t)] = arg
+    return Solution(costs, unit, levels, table, choice)
+
+
+def _options(c: ChainCosts, s: int, t: int, h: int, table: dict, levels: np.ndarray,
+             unit: int) -> tuple[np.ndarray, np.ndarray]:
+    held = _plain_held(c, s, bool(h))
+    fwd = (0 if h else c.x[s]) + c.fwd_mem[s]
+    bwd = held + c.x[s + 1] - c.x[t] + c.grads_between(s + 1, t) + c.bwd_mem[s]
+    best = _shift(table[(int(c.keeps_output[s]), s + 1, t)], _units(held, unit))
+    best = best + c.fwd_time[s] + c.bwd_time[s]
+    best[levels < _units(max(fwd, bwd), unit)] = _INF
+    arg = np.full(levels.size, -1)
+    ck_held = 0 if h else c.x[s]
+    for k in range(s + 1, t):
+        rest = _shift(table[(0, k, t)], _units(ck_held, unit))
+        inner = _shift(table[(1, s, k)], _units(_recompute_base(c, s, k, t, ck_held), unit))
+        cand = rest + inner + sum(c.fwd_time[s:k])
+        cand[levels < _units(ck_held + ck_forward_mem(c, s, k), unit)] = _INF
+        better = cand < best
+        best = np.where(better, cand, best)
+        arg = np.where(better, k, arg)
+    return best, arg

@@ -1,0 +1,47 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from rematlab.cli import app
+
+runner = CliRunner()
+
+
+def test_measure_json_output_has_the_documented_figures():
+    result = runner.invoke(app, ["measure", "--model", "lenet5", "--batch", "8", "--strategy",
+                                 "uniform:2", "--repeats", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["outcome"] == "ok"
+    for key in ("step_s_median", "step_s_iqr", "forward_s_median", "backward_s_median",
+                "recompute_s_median", "optimizer_s_median", "peak_bytes",
+                "saved_activation_bytes", "forward_flops", "backward_flops", "recompute_flops",
+                "params", "methods", "env"):
+        assert key in data, key
+    assert data["recompute_flops"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--model", "resnet9"], "unknown model"), (["--model", "mlp3", "--batch", "0"], "batch"),
+     (["--model", "mlp3", "--strategy", "zigzag"], "unknown strategy"),
+     (["--model", "mlp3", "--device", "tpu"], "device"),
+     (["--model", "mlp3", "--max-memory", "lots"], "memory size")],
+)
+def test_bad_input_is_one_line_and_exit_status_2(args, needle):
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "measure", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_memory_cap_is_reported_as_oom_not_a_crash():
+    result = runner.invoke(app, ["measure", "--model", "mlp3", "--batch", "64",
+                                 "--max-memory", "1MiB", "--json", "--repeats", "1"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["outcome"] == "oom"

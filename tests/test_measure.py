@@ -1,0 +1,141 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rematlab import Spec, apply, measure, zoo
+from rematlab.exceptions import ConfigError
+from rematlab.measure import make_optimizer
+from rematlab.probes import LiveTensorTracker
+
+
+class FakeClock:
+    """Every region lasts exactly `tick` seconds more than the previous one."""
+
+    def __init__(self, tick: float = 0.001) -> None:
+        self.tick, self.n = tick, 0
+
+    def start(self) -> None:
+        self.n += 1
+
+    def stop(self) -> float:
+        return self.tick * self.n
+
+
+def test_measure_reports_medians_and_iqr_from_the_injected_clock():
+    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=FakeClock())
+    assert obs.outcome == "ok"
+    # warm-up: 1 step (3 regions) untimed by the tracked run, then repeats of 3 regions each
+    forward = obs.times["forward"]
+    assert len(forward) == 3 and forward == sorted(forward)
+    assert math.isclose(obs.median("step"),
+                        statistics_median([sum(v) for v in zip(obs.times["forward"],
+                                                               obs.times["backward"],
+                                                               obs.times["optimizer"],
+                                                               strict=True)]))
+    assert obs.iqr("forward") > 0
+
+
+def statistics_median(values):
+    import statistics
+
+    return statistics.median(values)
+
+
+def test_tracker_counts_known_allocations_exactly():
+    t = LiveTensorTracker()
+    with t:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 B
+        b = torch.empty(500, dtype=torch.float64)  # 4000 B
+        view = a[:10]  # shares a's storage: no new bytes
+        del a
+        assert t.live == 8000
+        del view
+        assert t.live == 4000
+        c = torch.empty(250, dtype=torch.float32)
+    assert t.peak == 8000 and t.live == 5000
+    del b, c
+    assert t.live == 0
+
+
+@pytest.mark.parametrize("strategy", ["none", "sqrt", "uniform:2"])
+def test_tracker_peak_matches_torch_memtracker(strategy):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = zoo.mlp(5, width=256)
+    remat = apply(model, strategy)
+    opt = make_optimizer("momentum", model.parameters())
+    x, y = torch.randn(512, 1, 28, 28), torch.randint(0, 10, (512,))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(remat(x), y).backward()
+        opt.step()
+
+    step()
+    step()
+    mt = MemTracker()
+    mt.track_external(model, opt, x, y)
+    with mt:
+        step()
+    independent = max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+    ours = LiveTensorTracker()
+    opt.zero_grad(set_to_none=True)
+    ours.track([*model.parameters(), *(t for s in opt.state.values() for t in s.values()), x, y])
+    with ours:
+        step()
+    assert ours.peak == independent
+
+
+def test_measure_observes_memory_saved_by_checkpointing():
+    none = measure(Spec(model="mlp7", batch=2048, repeats=1))
+    sqrt = measure(Spec(model="mlp7", batch=2048, strategy="sqrt", repeats=1))
+    assert none.outcome == sqrt.outcome == "ok"
+    assert sqrt.figures["saved_activation_bytes"] < none.figures["saved_activation_bytes"]
+    assert sqrt.figures["recompute_flops"] > 0 == none.figures["recompute_flops"]
+    assert sqrt.figures["backward_flops"] > none.figures["backward_flops"]
+    assert sqrt.peak < none.peak
+    assert none.figures["forward_flops"] == sqrt.figures["forward_flops"]
+
+
+def test_saved_bytes_exclude_parameters_and_input():
+    obs = measure(Spec(model="mlp3", batch=4, repeats=1))
+    # mlp3, width 1024: saved are the 2 hidden ReLU outputs and the logits path — far less
+    # than the 3.3 MB of weights that Linear also saves for backward.
+    assert obs.figures["saved_activation_bytes"] < 4 * (2 * 4 * 1024) * 4
+    assert obs.figures["param_bytes"] == 4 * obs.figures["params"]
+    assert obs.figures["optimizer_state_bytes"] == obs.figures["param_bytes"]  # momentum
+
+
+def test_memory_cap_turns_into_an_oom_outcome():
+    obs = measure(Spec(model="mlp3", batch=64, repeats=1, max_memory=1 << 20))
+    assert obs.outcome == "oom" and "cap" in obs.error
+    assert obs.peaks == [] and obs.rows()[0]["outcome"] == "oom"
+
+
+def test_rows_are_one_per_repeat_and_carry_methods_and_environment():
+    obs = measure(Spec(model="lenet5", batch=4, repeats=3, strategy="uniform:2"))
+    rows = obs.rows()
+    assert [r["repeat"] for r in rows] == [0, 1, 2]
+    assert all(r["peak_bytes"] == obs.peaks[i] for i, r in enumerate(rows))
+    for key in ("method_time", "method_peak", "vendor", "torch_version", "device_name",
+                "threads", "host", "timestamp", "rematlab_version"):
+        assert rows[0][key] not in (None, ""), key
+    assert rows[0]["vendor"] == "CPU"
+
+
+@pytest.mark.parametrize("kwargs", [{"batch": 0}, {"batch": -3}, {"strategy": "uniform:0"},
+                                    {"device": "tpu"}, {"model": "resnet9"},
+                                    {"optimizer": "lion"}, {"warmup": 1}, {"dtype": "int8"}])
+def test_bad_specs_raise_config_errors(kwargs):
+    spec = {"model": "mlp3", "batch": 4, **kwargs}
+    with pytest.raises(ConfigError):
+        measure(Spec(**spec))
+
+
+def test_cuda_request_without_cuda_is_a_config_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="not available"):
+        measure(Spec(model="mlp3", batch=4, device="cuda"))

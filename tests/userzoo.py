@@ -1,0 +1,59 @@
+"""User models for tests: factories reachable as `tests.userzoo:NAME`."""
+
+import torch
+from torch import nn
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class ResNetLike(nn.Module):
+    """Stem, three residual blocks, head: fx finds one cut after each residual sum."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.stages = nn.ModuleList(Residual(width) for _ in range(3))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x)
+
+
+def resnet_like() -> nn.Module:
+    return ResNetLike()
+
+
+class UNetLike(nn.Module):
+    """A long skip from the first to the last layer: no cut can lie inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = torch.relu(self.a(x))
+        y = torch.relu(self.b(skip))
+        y = self.c(y) + skip
+        return self.head(y)
+
+
+def unet_like() -> nn.Module:
+    return UNetLike()
