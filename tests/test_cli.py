@@ -45,3 +45,26 @@ def test_memory_cap_is_reported_as_oom_not_a_crash():
                                  "--max-memory", "1MiB", "--json", "--repeats", "1"])
     assert result.exit_code == 0
     assert json.loads(result.stdout)["outcome"] == "oom"
+
+
+def test_plan_command_prints_plan_and_baselines(tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--model", "lenet5", "--batch", "64", "--budget",
+                                 "16MiB", "--json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["measured_peak"] <= 16 * 2**20
+    assert {r["strategy"] for r in data["baselines"]} >= {"none", "sqrt", "selective"}
+    assert out.exists()
+    measured = runner.invoke(app, ["measure", "--model", "lenet5", "--batch", "64",
+                                   "--strategy", f"plan:{out}", "--repeats", "1", "--json"])
+    assert json.loads(measured.stdout)["peak_bytes"] <= 16 * 2**20
+
+
+def test_infeasible_plan_is_one_line_with_the_floor():
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "plan", "--model", "mlp3",
+                           "--batch", "16", "--budget", "1KiB"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert "is infeasible: the smallest peak for this model and batch is" in proc.stderr

@@ -57,3 +57,19 @@ class UNetLike(nn.Module):
 
 def unet_like() -> nn.Module:
     return UNetLike()
+
+
+class Untraceable(nn.Module):
+    """Data-dependent control flow defeats torch.fx; its children still form the chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if x.sum() < -1e30:  # never true, but fx cannot know
+            x = -x
+        return self.c(self.b(x))

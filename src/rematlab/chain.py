@@ -17,10 +17,12 @@ measurement, which is how the planner works before it has touched the hardware.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import statistics
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +123,7 @@ def profile_chain(
     blocks: list[nn.Module],
     example_input: torch.Tensor,
     device: torch.device | None = None,
-    optimizer: str = "sgd",
+    optimizer: str | None = "sgd",
     repeats: int = 3,
 ) -> ChainCosts:
     """Per-block costs at the example input's batch size (see module docstring)."""
@@ -136,7 +138,8 @@ def profile_chain(
     params_bytes = 0
     for i, block in enumerate(run):
         x_in = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        r = _profile_block(block, x_in, repeats=0 if meta else repeats)
+        with preserved(block):
+            r = _profile_block(block, x_in, repeats=0 if meta else repeats)
         for key, value in r.items():
             if key in fields:
                 fields[key].append(value)
@@ -153,8 +156,31 @@ def profile_chain(
     return ChainCosts(
         **fields,
         base=params_bytes + state + base_input + loss_bytes,
+        state=state,
         optimizer_peak=params_bytes + grads + state + transient + base_input,
     )
+
+
+@contextlib.contextmanager
+def preserved(module: nn.Module) -> Iterator[None]:
+    """Run a throw-away step: gradients, buffers and the RNG are as before afterwards."""
+    grads = [p.grad for p in module.parameters()]
+    buffers = [b.detach().clone() for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    for p in module.parameters():
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
@@ -167,8 +193,6 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
             saved[key] = t.untyped_storage().nbytes()
         return t
 
-    for p in block.parameters():
-        p.grad = None
     tracker = LiveTensorTracker()
     tracker.track([x_in])
     before = tracker.live
@@ -178,14 +202,19 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
     fwd_mem = tracker.peak - before
     fwd_flops = flops.get_total_flops()
     kin, kout = storage_key(x_in), storage_key(out)
-    grad_out = torch.ones_like(out)
-    tracker.track([grad_out])
-    before_bwd = tracker.live
-    tracker.reset_peak()
+    nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
+    out_bytes = out.element_size() * out.numel()
+    bwd_mem = 0
     if out.requires_grad:
+        # The output gradient is made inside backward (d(sum(out * 1))/d(out)) so that autograd
+        # frees it once consumed, as in a real step; `bwd_mem` is the peak above that gradient.
+        loss = (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+        del out  # autograd alone decides when the output dies, as in a real step
+        before_bwd = tracker.live
+        tracker.reset_peak()
         with tracker:
-            out.backward(grad_out)
-    bwd_mem = tracker.peak - before_bwd
+            loss.backward()
+        bwd_mem = tracker.peak - before_bwd - out_bytes
     fwd_time, bwd_time = _time_block(block, x_in, repeats) if repeats else (0.0, 0.0)
     return {
         "x": x_in.element_size() * x_in.numel(),
@@ -199,7 +228,7 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
         "bwd_time": bwd_time,
         "fwd_flops": float(fwd_flops),
         "params": sum(p.numel() * p.element_size() for p in block.parameters()),
-        "out": out.detach(),
+        "out": nxt,
     }
 
 
@@ -215,16 +244,16 @@ def _time_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> tuple[flo
         if out.requires_grad:
             out.backward(grad)
         bwd.append(clock.stop())
-    for p in block.parameters():
-        p.grad = None
     return statistics.median(fwd[1:]), statistics.median(bwd[1:])
 
 
-def optimizer_memory(params: list[torch.Tensor], name: str) -> tuple[int, int]:
+def optimizer_memory(params: list[torch.Tensor], name: str | None) -> tuple[int, int]:
     """Bytes of optimizer state and the transient peak of a step, measured on tensors shaped
-    like `params` on their device (meta costs nothing)."""
+    like `params` on their device (meta costs nothing); (0, 0) without an optimizer."""
     from rematlab.measure import make_optimizer
 
+    if name is None:
+        return 0, 0
     trainable = [p for p in params if p.requires_grad]
     clones = [nn.Parameter(torch.zeros_like(p)) for p in trainable]
     for c in clones:

@@ -11,6 +11,7 @@ import math
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -19,7 +20,7 @@ from rich.table import Table
 
 from rematlab.exceptions import ConfigError, RematlabError, format_bytes, parse_bytes
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure, model and optimize activation rematerialization in PyTorch.")
 console = Console()
 
@@ -123,3 +124,67 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@app.command("plan")
+@handles_errors
+def plan_cmd(
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    budget: Annotated[str, typer.Option(help="peak memory budget of the step, e.g. 6GiB")],
+    batch: int = 32,
+    input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="per-sample shape, e.g. 3,224,224")] = None,
+    device: str = "cpu",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
+    predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
+    out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The fastest checkpointing plan whose whole-step peak fits the budget."""
+    import torch
+
+    from rematlab import zoo
+    from rematlab.measure import parse_device
+    from rematlab.chain import find_chain
+    from rematlab.planner import choose, compare, profile
+
+    if batch <= 0:
+        raise ConfigError(f"batch must be a positive integer, got {batch}")
+    limit = parse_bytes(budget)
+    dev = parse_device(device)
+    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
+    net = net.to(dev).train()
+    x = torch.randn(batch, *shape, device=dev)
+    opt = None if optimizer == "none" else optimizer
+    blocks = find_chain(net, x).blocks
+    costs = profile(blocks, x, opt, predict=predict)
+    chosen = choose(blocks, x, costs, limit, verify=not predict)
+    rows = compare(costs, limit)
+    none_time = rows[0]["time"]
+    summary = {"plan": chosen.describe(), "budget": limit, "predicted_peak": chosen.predicted_peak,
+               "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
+               "predicted_overhead": chosen.predicted_time / none_time - 1.0,
+               "baselines": rows, "plan_json": json.loads(chosen.to_json())}
+    if out is not None:
+        out.write_text(chosen.to_json())
+    if as_json:
+        _print_json(summary)
+        return
+    console.print(f"plan: {chosen.describe()}")
+    console.print(f"predicted peak {format_bytes(chosen.predicted_peak or 0)}"
+                  + (f", measured {format_bytes(chosen.measured_peak)}"
+                     if chosen.measured_peak else "")
+                  + f" (budget {format_bytes(limit)}, floor {format_bytes(chosen.min_peak or 0)});"
+                  f" predicted time overhead {summary['predicted_overhead']:+.1%}")
+    table = Table(title="versus fixed strategies (simulated)")
+    for col in ("strategy", "peak", "x none", "time overhead", "fits"):
+        table.add_column(col, justify="right")
+    table.add_row("optimal", format_bytes(chosen.predicted_peak or 0),
+                  f"{(chosen.predicted_peak or 0) / rows[0]['peak']:.2f}",
+                  f"{summary['predicted_overhead']:+.1%}", "yes")
+    for r in rows:
+        table.add_row(r["strategy"], format_bytes(r["peak"]), f"{r['peak_ratio']:.2f}",
+                      f"{r['overhead']:+.1%}", "yes" if r["fits"] else "no")
+    console.print(table)
+    if out is not None:
+        console.print(f"plan written to {out}; use it with --strategy plan:{out}")

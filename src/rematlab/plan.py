@@ -61,6 +61,7 @@ class ChainCosts:
     bwd_time: list[float]
     fwd_flops: list[float] = field(default_factory=list)
     base: int = 0  # parameters + optimizer state + input batch + loss gradient
+    state: int = 0  # optimizer state (part of base)
     optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
 
     @property
@@ -89,6 +90,7 @@ class Plan:
     predicted_time: float | None = None
     budget: int | None = None
     min_peak: int | None = None
+    measured_peak: int | None = None
 
     def __post_init__(self) -> None:
         validate_items(self.items, 0, self.n_blocks)
@@ -112,6 +114,7 @@ class Plan:
                 "predicted_time": self.predicted_time,
                 "budget": self.budget,
                 "min_peak": self.min_peak,
+                "measured_peak": self.measured_peak,
             },
             indent=2,
         )
@@ -129,6 +132,7 @@ class Plan:
                 predicted_time=data.get("predicted_time"),
                 budget=data.get("budget"),
                 min_peak=data.get("min_peak"),
+                measured_peak=data.get("measured_peak"),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ConfigError(f"not a rematlab plan: {exc}") from None

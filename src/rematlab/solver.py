@@ -98,12 +98,16 @@ def _shift(arr: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
-def solve(costs: ChainCosts, levels: int = 500, unit: int | None = None) -> Solution:
-    """Fill the DP tables up to the memory that keeping every activation needs."""
+def solve(costs: ChainCosts, levels: int = 2000, unit: int | None = None) -> Solution:
+    """Fill the DP tables up to the memory that keeping every activation needs.
+
+    Each memory term is rounded up to a unit, at most 2n+2 times along a plan, so the grid
+    gets that many levels of headroom above the full need: keeping everything stays feasible.
+    """
     n = costs.n
     full, _ = need(tuple(range(n)), n, True, costs)
     unit = unit or max(1, math.ceil(full / levels))
-    levels = math.ceil(full / unit)
+    levels = math.ceil(full / unit) + 2 * n + 2
     size = levels + 1
     mem_levels = np.arange(size)
     table: dict[tuple[int, int, int], np.ndarray] = {}

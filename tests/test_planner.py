@@ -1,0 +1,140 @@
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rematlab
+from rematlab import zoo
+from rematlab.chain import find_chain, profile_chain
+from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.plan import Plan, none_plan, simulate
+from rematlab.planner import AutoRemat, auto, measure_peak, plan, profile
+from rematlab.solver import solve
+from tests import userzoo
+
+
+def _budgets(model, x, fractions):
+    costs = profile(find_chain(model, x).blocks, x, "momentum")
+    floor = solve(costs).min_peak
+    full = simulate(none_plan(costs.n), costs)[0]
+    return costs, floor, full, [int(floor + f * (full - floor)) for f in fractions]
+
+
+@pytest.mark.parametrize(("name", "batch"), [("mlp5", 256), ("lenet5", 128), ("vgg16", 16),
+                                              ("alexnet", 32)])
+def test_plan_honours_the_budget_on_measurement(name, batch):
+    model, shape, _ = zoo.resolve(name, "cifar" if name in ("vgg16", "alexnet") else None)
+    x = torch.randn(batch, *shape)
+    costs, floor, full, budgets = _budgets(model, x, [0.0, 0.3, 0.7])
+    assert floor <= full
+    for budget in budgets:
+        chosen = plan(model, x, budget)
+        assert chosen.measured_peak is not None and chosen.measured_peak <= budget
+        assert chosen.predicted_peak <= budget
+
+
+@pytest.mark.parametrize(("name", "batch"), [("vgg16", 32), ("lenet5", 256)])
+def test_simulated_peak_matches_the_measured_step_within_a_percent(name, batch, tmp_path):
+    model, shape, _ = zoo.resolve(name, "cifar" if name == "vgg16" else None)
+    x = torch.randn(batch, *shape)
+    _, floor, full, budgets = _budgets(model, x, [0.2, 0.6])
+    for budget in budgets:
+        chosen = plan(model, x, budget)
+        path = tmp_path / "plan.json"
+        path.write_text(chosen.to_json())
+        obs = rematlab.measure(rematlab.Spec(model=name, batch=batch, strategy=f"plan:{path}",
+                                             repeats=1, input="cifar" if name == "vgg16"
+                                             else None))
+        assert obs.outcome == "ok"
+        assert obs.peak <= budget
+        assert abs(chosen.predicted_peak - obs.peak) / obs.peak < 0.01
+
+
+def test_infeasible_budget_raises_with_the_minimum_peak():
+    model = zoo.mlp(5, width=64)
+    x = torch.randn(64, 1, 28, 28)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        plan(model, x, "1KiB")
+    assert info.value.min_peak > 1024
+    chosen = plan(model, x, info.value.min_peak)
+    assert chosen.measured_peak <= info.value.min_peak
+
+
+def test_planned_model_trains_with_the_same_gradients():
+    model = zoo.mlp(7, width=64).double()
+    x = torch.randn(256, 1, 28, 28, dtype=torch.float64)
+    y = torch.randint(0, 10, (256,))
+    costs = profile_chain(list(model), x, optimizer=None, repeats=1)
+    chosen = solve(costs).plan_for(solve(costs).min_peak)
+    assert chosen.segments
+    F.cross_entropy(model(x), y).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(rematlab.apply(model, chosen)(x), y).backward()
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert (p.grad - w).abs().max() <= 1e-12
+
+
+def test_verification_leaves_the_model_untouched():
+    model = torch.nn.Sequential(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU()),
+        torch.nn.Sequential(torch.nn.Linear(8, 3)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(16, 8)
+    rng = torch.get_rng_state()
+    costs = profile(list(model), x, "momentum")
+    measure_peak(list(model), none_plan(2), x, costs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_fx_cuts_a_residual_network_into_a_chain():
+    model = userzoo.resnet_like()
+    x = torch.randn(4, 8)
+    info = find_chain(model, x)
+    assert info.method == "fx" and len(info.blocks) == 6  # stem, relu, 3 residuals, head
+    out = x
+    for block in info.blocks:
+        out = block(out)
+    assert torch.allclose(out, model(x))
+    remat = rematlab.apply(model, "every:1", blocks=info.blocks)
+    assert torch.allclose(remat(x), model(x))
+
+
+def test_long_skips_give_fewer_larger_blocks():
+    info = find_chain(userzoo.unet_like(), torch.randn(2, 8))
+    sizes = [len([n for n in b.graph.nodes if n.op not in ("placeholder", "output")])
+             for b in info.blocks]
+    assert len(info.blocks) == 4 and max(sizes) == 4  # b, relu, c, add stay together
+
+
+def test_untraceable_model_falls_back_to_children_and_says_so():
+    model = userzoo.Untraceable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = find_chain(model, torch.randn(2, 8))
+    assert info.method == "children" and len(info.blocks) == 3
+    assert any("tracing failed" in str(w.message) for w in caught)
+
+
+def test_auto_replans_per_input_shape_and_caches():
+    model = zoo.mlp(5, width=128)
+    wrapped = auto(model, "64MiB", optimizer=None)
+    assert isinstance(wrapped, AutoRemat)
+    for batch in (32, 64, 32):
+        x = torch.randn(batch, 1, 28, 28)
+        F.cross_entropy(wrapped(x), torch.randint(0, 10, (batch,))).backward()
+    assert len(wrapped.plans) == 2
+    wrapped.eval()
+    with torch.no_grad():
+        assert torch.allclose(wrapped(torch.randn(3, 1, 28, 28)).sum() * 0, torch.zeros(()))
+    assert len(wrapped.plans) == 2
+
+
+def test_plan_json_round_trips_with_its_predictions():
+    model = zoo.lenet5()
+    chosen = plan(model, torch.randn(8, 1, 32, 32), "64MiB", predict=True)
+    again = Plan.from_json(chosen.to_json())
+    assert again == chosen and again.predicted_peak is not None

@@ -1,0 +1,122 @@
+"""The solver against a brute-force oracle on small chains, and the simulator's invariants."""
+
+import ast
+import random
+import subprocess
+import sys
+from functools import lru_cache
+
+import pytest
+
+from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.plan import ChainCosts, Plan, Segment, need, simulate, uniform_plan
+from rematlab.solver import solve
+
+
+def random_costs(n: int, seed: int) -> ChainCosts:
+    rng = random.Random(seed)
+    return ChainCosts(
+        x=[rng.randint(1, 6) for _ in range(n + 1)],
+        saved=[rng.randint(0, 5) for _ in range(n)],
+        keeps_input=[rng.random() < 0.7 for _ in range(n)],
+        keeps_output=[rng.random() < 0.5 for _ in range(n)],
+        fwd_mem=[rng.randint(1, 6) for _ in range(n)],
+        bwd_mem=[rng.randint(1, 8) for _ in range(n)],
+        grad=[rng.randint(0, 3) for _ in range(n)],
+        fwd_time=[rng.randint(1, 9) * 1.0 for _ in range(n)],
+        bwd_time=[rng.randint(1, 9) * 1.0 for _ in range(n)],
+        base=rng.randint(0, 10),
+        optimizer_peak=0,
+    )
+
+
+def all_plans(start: int, end: int) -> list[tuple]:
+    """Every item sequence over blocks start..end-1, nested segments included (a segment may
+    cover its whole range, but not be the only item of a segment of the same range)."""
+
+    @lru_cache(maxsize=None)
+    def seqs(s: int, t: int, whole: bool) -> tuple[tuple, ...]:
+        if s == t:
+            return ((),)
+        out = [(s, *rest) for rest in seqs(s + 1, t, True)]
+        for k in range(s + 1, t + 1 if whole else t):
+            for inner in seqs(s, k, False):
+                seg = Segment(s, k, inner)
+                out.extend((seg, *rest) for rest in seqs(k, t, True))
+        return tuple(out)
+
+    return list(seqs(start, end, True))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solver_is_optimal_against_brute_force(seed):
+    n = 3 + seed % 3  # 3..5 blocks
+    costs = random_costs(n, seed)
+    candidates = [(simulate(Plan(n, items), costs), items) for items in all_plans(0, n)]
+    floor = min(peak for (peak, _), _ in candidates)
+    solution = solve(costs, unit=1)
+    assert solution.min_peak == floor
+    top = max(peak for (peak, _), _ in candidates)
+    for budget in range(floor, top + 1):
+        best = min(t for (peak, t), _ in candidates if peak <= budget)
+        plan = solution.plan_for(budget)
+        assert plan.predicted_peak <= budget
+        assert plan.predicted_time == pytest.approx(best)
+        assert simulate(plan, costs) == (plan.predicted_peak, plan.predicted_time)
+
+
+def test_infeasible_budget_carries_the_minimum_peak():
+    costs = random_costs(5, 99)
+    solution = solve(costs, unit=1)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solution.plan_for(solution.min_peak - 1)
+    assert info.value.min_peak == solution.min_peak
+    assert isinstance(info.value, ValueError)
+    assert "is infeasible: the smallest peak" in str(info.value)
+
+
+def test_coarse_units_never_break_the_budget():
+    costs = random_costs(12, 5)
+    costs.x = [v * 1000 + 17 for v in costs.x]
+    costs.saved = [v * 1000 + 3 for v in costs.saved]
+    solution = solve(costs, levels=50)
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        full = simulate(Plan(12, tuple(range(12))), costs)[0]
+        budget = int(solution.min_peak + frac * (full - solution.min_peak))
+        plan = solution.plan_for(budget)
+        assert simulate(plan, costs)[0] <= budget
+
+
+def test_unconstrained_budget_gives_no_checkpointing():
+    costs = random_costs(6, 3)
+    full, t_full = simulate(Plan(6, tuple(range(6))), costs)
+    plan = solve(costs, unit=1).plan_for(full)
+    assert plan.segments == [] and plan.predicted_time == t_full
+
+
+def test_checkpointing_trades_time_for_memory_in_the_simulator():
+    costs = random_costs(8, 4)
+    costs.saved = [50] * 8
+    none = simulate(Plan(8, tuple(range(8))), costs)
+    ck = simulate(uniform_plan(8, 3), costs)
+    assert ck[0] < none[0] and ck[1] > none[1]
+    assert need((), 8, True, costs) == (0, 0.0)
+
+
+def test_solver_and_plan_modules_do_not_import_torch():
+    code = ("import sys; import rematlab.solver, rematlab.plan; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", _no_package_init(code)], capture_output=True,
+                         text=True, check=True).stdout
+    assert ast.literal_eval(out.strip()) == []
+
+
+def _no_package_init(code: str) -> str:
+    """Load the modules without running rematlab/__init__ (which imports torch)."""
+    return (
+        "import importlib.util, sys, types\n"
+        "spec = importlib.util.find_spec('rematlab')\n"
+        "pkg = types.ModuleType('rematlab')\n"
+        "pkg.__path__ = list(spec.submodule_search_locations)\n"
+        "sys.modules['rematlab'] = pkg\n" + code
+    )
