@@ -26,7 +26,7 @@ def _budgets(model, x, fractions):
 def test_plan_honours_the_budget_on_measurement(name, batch):
     model, shape, _ = zoo.resolve(name, "cifar" if name in ("vgg16", "alexnet") else None)
     x = torch.randn(batch, *shape)
-    costs, floor, full, budgets = _budgets(model, x, [0.0, 0.3, 0.7])
+    _, floor, full, budgets = _budgets(model, x, [0.0, 0.3, 0.7])
     assert floor <= full
     for budget in budgets:
         chosen = plan(model, x, budget)
@@ -38,7 +38,7 @@ def test_plan_honours_the_budget_on_measurement(name, batch):
 def test_simulated_peak_matches_the_measured_step_within_a_percent(name, batch, tmp_path):
     model, shape, _ = zoo.resolve(name, "cifar" if name == "vgg16" else None)
     x = torch.randn(batch, *shape)
-    _, floor, full, budgets = _budgets(model, x, [0.2, 0.6])
+    *_, budgets = _budgets(model, x, [0.2, 0.6])
     for budget in budgets:
         chosen = plan(model, x, budget)
         path = tmp_path / "plan.json"

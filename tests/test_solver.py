@@ -4,7 +4,7 @@ import ast
 import random
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -34,7 +34,7 @@ def all_plans(start: int, end: int) -> list[tuple]:
     """Every item sequence over blocks start..end-1, nested segments included (a segment may
     cover its whole range, but not be the only item of a segment of the same range)."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def seqs(s: int, t: int, whole: bool) -> tuple[tuple, ...]:
         if s == t:
             return ((),)

@@ -118,13 +118,6 @@ def measure(
         raise typer.Exit(1)
 
 
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()
-
 
 @app.command("plan")
 @handles_errors
@@ -133,7 +126,7 @@ def plan_cmd(
     budget: Annotated[str, typer.Option(help="peak memory budget of the step, e.g. 6GiB")],
     batch: int = 32,
     input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
-    input_shape: Annotated[str | None, typer.Option(help="per-sample shape, e.g. 3,224,224")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")] = None,
     device: str = "cpu",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
     predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
@@ -144,8 +137,8 @@ def plan_cmd(
     import torch
 
     from rematlab import zoo
-    from rematlab.measure import parse_device
     from rematlab.chain import find_chain
+    from rematlab.measure import parse_device
     from rematlab.planner import choose, compare, profile
 
     if batch <= 0:
@@ -188,3 +181,11 @@ def plan_cmd(
     console.print(table)
     if out is not None:
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
