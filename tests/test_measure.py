@@ -139,3 +139,24 @@ def test_cuda_request_without_cuda_is_a_config_error():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="not available"):
         measure(Spec(model="mlp3", batch=4, device="cuda"))
+
+
+def test_nested_recomputation_flops_count_each_recomputed_forward(tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rematlab.plan import Plan, Segment
+
+    plan = Plan(7, (Segment(0, 4, (Segment(0, 2, (0, 1)), 2, 3)), 4, 5, 6))
+    path = tmp_path / "nested.json"
+    path.write_text(plan.to_json())
+    obs = measure(Spec(model="mlp7", batch=16, strategy=f"plan:{path}", repeats=1))
+    model = zoo.mlp(7)
+    x = torch.randn(16, 1, 28, 28)
+    per_block = []
+    for block in model:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            x = block(x)
+        per_block.append(counter.get_total_flops())
+    # the outer segment is recomputed once; inside it, the inner segment once more
+    assert obs.figures["recompute_flops"] == sum(per_block[0:4]) + sum(per_block[0:2])

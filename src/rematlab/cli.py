@@ -183,6 +183,112 @@ def plan_cmd(
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
 
 
+
+@app.command("sweep")
+@handles_errors
+def sweep_cmd(
+    grid: Annotated[str, typer.Argument(help="grid file, or quick / seed-study")],
+    db: Annotated[Path, typer.Option(help="results database (DuckDB)")] = Path("results.duckdb"),
+    backend: Annotated[str, typer.Option(help="local or ray")] = "local",
+    ray_address: Annotated[str | None, typer.Option(help="existing Ray cluster")] = None,
+    dry_run: Annotated[bool, typer.Option(help="print the expansion, run nothing")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Run a grid of configurations into the dataset (resumable)."""
+    from rematlab.grid import load_grid
+    from rematlab.sweep import estimate_seconds, resume_hint
+
+    spec_grid = load_grid(grid)
+    if dry_run:
+        specs = spec_grid.expand()
+        seconds = estimate_seconds(specs)
+        if as_json:
+            _print_json({"configurations": len(specs), "estimated_seconds": seconds})
+        else:
+            console.print(f"{len(specs)} configurations")
+            console.print(f"estimated duration: {seconds / 60:.1f} min (rough, from FLOPs)")
+        return
+    result = run_sweep(spec_grid, db, backend, ray_address, grid)
+    if as_json:
+        _print_json({"total": result.total, "skipped": result.skipped,
+                     "outcomes": dict(result.outcomes), "wall_s": result.wall_s,
+                     "measured_s": result.measured_s,
+                     "harness_overhead": result.harness_overhead,
+                     "interrupted": result.interrupted})
+    else:
+        table = Table(title=f"sweep {spec_grid.name} -> {db}")
+        for col in ("configurations", "skipped (done before)", "ok", "oom", "error", "wall",
+                    "harness overhead"):
+            table.add_column(col, justify="right")
+        table.add_row(str(result.total), str(result.skipped), str(result.outcomes["ok"]),
+                      str(result.outcomes["oom"]), str(result.outcomes["error"]),
+                      f"{result.wall_s:.1f} s", f"{result.harness_overhead:.1%}")
+        console.print(table)
+    if result.interrupted:
+        sys.stderr.write(f"interrupted: {result.skipped + len(result)} of {result.total} "
+                         f"configurations are stored; resume with: "
+                         f"{resume_hint(grid, db, backend)}\n")
+        raise typer.Exit(130)
+
+
+def run_sweep(spec_grid, db: Path, backend: str, ray_address: str | None, label: str):
+    """A sweep with a progress bar (counts of ok / oom / error, ETA) on stderr."""
+    from collections import Counter
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from rematlab.sweep import sweep
+
+    counts: Counter = Counter()
+    stderr = Console(stderr=True)
+    if not stderr.is_terminal:  # logs on a cluster: one line per configuration
+        def log(spec, outcome: str, done: int, total: int) -> None:
+            counts[outcome] += 1
+            sys.stderr.write(f"[{done}/{total}] {outcome} {spec.model} b{spec.batch} "
+                             f"{spec.strategy} {spec.device} (ok {counts['ok']} oom "
+                             f"{counts['oom']} error {counts['error']})\n")
+            sys.stderr.flush()
+
+        return sweep(spec_grid, db, backend=backend, ray_address=ray_address, progress=log,
+                     grid_label=label)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[counts]}"), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=stderr) as bar:
+        task = bar.add_task("sweep", total=None, counts="")
+
+        def progress(spec, outcome: str, done: int, total: int) -> None:
+            counts[outcome] += 1
+            bar.update(task, completed=done, total=total,
+                       description=f"{spec.model} b{spec.batch} {spec.strategy}",
+                       counts=f"ok {counts['ok']} oom {counts['oom']} error {counts['error']}")
+
+        return sweep(spec_grid, db, backend=backend, ray_address=ray_address,
+                     progress=progress, grid_label=label)
+
+
+@app.command()
+@handles_errors
+def export(
+    db: Annotated[Path, typer.Option(help="results database")],
+    out: Annotated[Path, typer.Option(help="output file")],
+    format: Annotated[str, typer.Option(help="parquet or csv")] = "parquet",
+    table: Annotated[str, typer.Option(help="runs, config_summary, configs, sweeps")] = "runs",
+) -> None:
+    """Export the dataset as Parquet or CSV."""
+    from rematlab.store import Store
+
+    with Store(db, read_only=True) as store:
+        path = store.export(out, format, table)
+    console.print(f"wrote {path}")
+
+
 def main() -> None:
     app()
 

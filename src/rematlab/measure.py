@@ -329,24 +329,17 @@ class _Tracked:
 
     def _count_recompute(self):
         rec = self.s.remat.recompute
-        original = rec.region
-        counter = FlopCounterMode(display=False)
 
         @contextlib.contextmanager
-        def counted():
-            with original(), counter:
-                yield
-
-        @contextlib.contextmanager
-        def swap():
-            rec.region = counted
+        def counting():
+            rec.count_flops, rec.flops = True, 0
             try:
                 yield
             finally:
-                rec.region = original
-                self.flops["recompute"] = counter.get_total_flops()
+                rec.count_flops = False
+                self.flops["recompute"] = rec.flops
 
-        return swap()
+        return counting()
 
     def _saved_probe(self):
         s = self.s

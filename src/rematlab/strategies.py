@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import plan as plans
 from rematlab.exceptions import ConfigError
@@ -100,26 +101,32 @@ def parse(text: str) -> Strategy:
 
 
 class RecomputeStats:
-    """Counts what recomputation costs during backward: seconds and segments recomputed."""
+    """What recomputation costs during backward: seconds, segments recomputed and, when
+    `count_flops` is set, FLOPs. Nested recomputation is counted inside its outermost region."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.segments = 0
+        self.flops = 0
+        self.count_flops = False
         self._depth = 0
-        self._t0 = 0.0
 
     @contextlib.contextmanager
     def region(self) -> Iterator[None]:
-        if self._depth == 0:
-            self._t0 = time.perf_counter()
+        outermost = self._depth == 0
+        t0 = time.perf_counter()
+        counter = FlopCounterMode(display=False) if outermost and self.count_flops else None
         self._depth += 1
         try:
-            yield
+            with counter if counter is not None else contextlib.nullcontext():
+                yield
         finally:
             self._depth -= 1
             self.segments += 1
-            if self._depth == 0:
-                self.seconds += time.perf_counter() - self._t0
+            if outermost:
+                self.seconds += time.perf_counter() - t0
+            if counter is not None:
+                self.flops += counter.get_total_flops()
 
 
 @contextlib.contextmanager

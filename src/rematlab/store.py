@@ -1,0 +1,203 @@
+"""The only module that talks to DuckDB: the results dataset.
+
+Tables: `runs` (one row per repeat, or one row for an `oom`/`error` configuration),
+`configs` (one row per finished configuration: what makes a sweep resumable), `sweeps`
+(one row per sweep invocation: wall time, measured time, status), `meta` (schema version).
+View `config_summary`: one row per configuration with median, IQR and n of each figure.
+
+A configuration's rows and its `configs` row are written in one transaction, so a sweep
+killed at any moment (even SIGKILL) leaves either all of a configuration or none of it.
+DuckDB holds an exclusive file lock for a writer: a second writer gets `StoreLockedError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from rematlab.exceptions import ConfigError, StoreLockedError
+
+SCHEMA_VERSION = 2
+
+# Column name -> DuckDB type. Order is the table's column order.
+RUN_COLUMNS: dict[str, str] = {
+    "config_id": "VARCHAR", "sweep_id": "VARCHAR", "repeat": "INTEGER",
+    "cfg_model": "VARCHAR", "cfg_input": "VARCHAR", "cfg_input_shape": "VARCHAR",
+    "cfg_batch": "INTEGER", "cfg_strategy": "VARCHAR", "cfg_device": "VARCHAR",
+    "cfg_dtype": "VARCHAR", "cfg_optimizer": "VARCHAR", "cfg_warmup": "INTEGER",
+    "cfg_repeats": "INTEGER", "cfg_max_memory": "BIGINT", "cfg_threads": "INTEGER",
+    "cfg_seed": "INTEGER",
+    "outcome": "VARCHAR", "error": "VARCHAR",
+    "step_s": "DOUBLE", "forward_s": "DOUBLE", "backward_s": "DOUBLE", "recompute_s": "DOUBLE",
+    "optimizer_s": "DOUBLE", "peak_bytes": "BIGINT", "reserved_bytes": "BIGINT",
+    "params": "BIGINT", "param_bytes": "BIGINT", "grad_bytes": "BIGINT",
+    "optimizer_state_bytes": "BIGINT", "saved_activation_bytes": "BIGINT",
+    "forward_flops": "DOUBLE", "backward_flops": "DOUBLE", "recompute_flops": "DOUBLE",
+    "optimizer_flops": "DOUBLE", "n_blocks": "INTEGER", "n_segments": "INTEGER",
+    "plan": "VARCHAR",
+    "method_time": "VARCHAR", "method_peak": "VARCHAR", "method_flops": "VARCHAR",
+    "method_saved": "VARCHAR",
+    "device_name": "VARCHAR", "vendor": "VARCHAR", "cuda_version": "VARCHAR",
+    "rocm_version": "VARCHAR", "torch_version": "VARCHAR", "cpu_model": "VARCHAR",
+    "threads": "INTEGER", "host": "VARCHAR", "timestamp": "VARCHAR",
+    "rematlab_version": "VARCHAR",
+}
+
+_SUMMARY_FIGURES = ("step_s", "forward_s", "backward_s", "recompute_s", "optimizer_s",
+                    "peak_bytes")
+
+# MIGRATIONS[v] takes a database from schema version v to v + 1.
+MIGRATIONS: dict[int, list[str]] = {
+    0: [
+        "CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+        "CREATE TABLE runs ({})".format(", ".join(f"{k} {t}" for k, t in
+                                                   RUN_COLUMNS.items() if k != "reserved_bytes")),
+        "CREATE TABLE configs (config_id VARCHAR PRIMARY KEY, sweep_id VARCHAR, "
+        "spec VARCHAR, outcome VARCHAR, measured_s DOUBLE, finished_at TIMESTAMP)",
+        "CREATE TABLE sweeps (sweep_id VARCHAR PRIMARY KEY, grid VARCHAR, backend VARCHAR, "
+        "started_at TIMESTAMP, finished_at TIMESTAMP, wall_s DOUBLE, measured_s DOUBLE, "
+        "configs INTEGER, status VARCHAR)",
+    ],
+    # v2: allocator-reserved bytes (CUDA) next to allocated peak bytes
+    1: ["ALTER TABLE runs ADD COLUMN reserved_bytes BIGINT"],
+}
+
+
+def config_id(spec_dict: dict[str, Any]) -> str:
+    """Stable identity of a configuration: a hash of its spec (not of its repeats)."""
+    text = json.dumps(spec_dict, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Store:
+    """A results database opened for writing (exclusive) or reading."""
+
+    def __init__(self, path: str | Path, read_only: bool = False) -> None:
+        self.path = Path(path)
+        if read_only and not self.path.exists():
+            raise ConfigError(f"database {self.path} does not exist")
+        if not read_only:
+            parent = self.path.parent
+            if not parent.exists():
+                try:
+                    parent.mkdir(parents=True)
+                except OSError as exc:
+                    raise ConfigError(f"cannot create {parent}: {exc.strerror}") from None
+        try:
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise StoreLockedError(f"database {self.path} is in use by another process "
+                                       "(one sweep per database at a time)") from None
+            raise ConfigError(f"cannot open database {self.path}: {exc}") from None
+        except duckdb.Error as exc:
+            raise ConfigError(f"cannot open database {self.path}: {exc}") from None
+        if not read_only:
+            self._migrate()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema"
+                                                 ".tables").fetchall()}
+        if "meta" not in tables:
+            return 0
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _migrate(self) -> None:
+        version = self.schema_version()
+        while version < SCHEMA_VERSION:
+            self.con.execute("BEGIN TRANSACTION")
+            for statement in MIGRATIONS[version]:
+                self.con.execute(statement)
+            version += 1
+            self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                             [str(version)])
+            self.con.execute("COMMIT")
+        self._views()
+
+    def _views(self) -> None:
+        figures = ", ".join(
+            f"median({f}) AS {f}_median, quantile_cont({f}, 0.75) - quantile_cont({f}, 0.25) "
+            f"AS {f}_iqr" for f in _SUMMARY_FIGURES)
+        keys = ", ".join(k for k in RUN_COLUMNS if k.startswith("cfg_"))
+        self.con.execute(
+            f"CREATE OR REPLACE VIEW config_summary AS SELECT config_id, {keys}, "
+            f"any_value(outcome) AS outcome, any_value(error) AS error, "
+            f"any_value(vendor) AS vendor, any_value(device_name) AS device_name, "
+            f"any_value(saved_activation_bytes) AS saved_activation_bytes, "
+            f"any_value(forward_flops) AS forward_flops, "
+            f"any_value(backward_flops) AS backward_flops, "
+            f"any_value(recompute_flops) AS recompute_flops, any_value(params) AS params, "
+            f"any_value(param_bytes) AS param_bytes, "
+            f"any_value(optimizer_state_bytes) AS optimizer_state_bytes, "
+            f"{figures}, count(step_s) AS n FROM runs GROUP BY config_id, {keys}")
+
+    def done(self) -> set[str]:
+        return {r[0] for r in self.con.execute("SELECT config_id FROM configs").fetchall()}
+
+    def write_config(self, cid: str, sweep_id: str, spec: dict, rows: list[dict],
+                     measured_s: float) -> None:
+        """All rows of one configuration and its completion mark, atomically."""
+        cols = list(RUN_COLUMNS)
+        values = [[{**r, "config_id": cid, "sweep_id": sweep_id}.get(c) for c in cols]
+                  for r in rows]
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            self.con.executemany(
+                f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                values)
+            self.con.execute("INSERT INTO configs VALUES (?, ?, ?, ?, ?, now())",
+                             [cid, sweep_id, json.dumps(spec, sort_keys=True),
+                              rows[0]["outcome"], measured_s])
+            self.con.execute("COMMIT")
+        except Exception:
+            self.con.execute("ROLLBACK")
+            raise
+
+    def start_sweep(self, sweep_id: str, grid: str, backend: str, configs: int) -> None:
+        self.con.execute("INSERT INTO sweeps VALUES (?, ?, ?, now(), NULL, NULL, NULL, ?, "
+                         "'running')", [sweep_id, grid, backend, configs])
+
+    def finish_sweep(self, sweep_id: str, wall_s: float, measured_s: float, status: str) -> None:
+        self.con.execute("UPDATE sweeps SET finished_at = now(), wall_s = ?, measured_s = ?, "
+                         "status = ? WHERE sweep_id = ?", [wall_s, measured_s, status, sweep_id])
+
+    def frame(self, table: str = "runs") -> pd.DataFrame:
+        if table not in ("runs", "configs", "sweeps", "config_summary"):
+            raise ConfigError(f"unknown table {table!r}")
+        return self.con.execute(f"SELECT * FROM {table}").df()
+
+    def export(self, out: str | Path, fmt: str, table: str = "runs") -> Path:
+        if fmt not in ("parquet", "csv"):
+            raise ConfigError(f"unknown export format {fmt!r}; choose parquet or csv")
+        if table not in ("runs", "configs", "sweeps", "config_summary"):
+            raise ConfigError(f"unknown table {table!r}")
+        target = Path(out)
+        option = "(FORMAT parquet)" if fmt == "parquet" else "(HEADER, DELIMITER ',')"
+        quoted = str(target).replace("'", "''")
+        try:
+            self.con.execute(f"COPY (SELECT * FROM {table}) TO '{quoted}' {option}")
+        except duckdb.Error as exc:
+            raise ConfigError(f"cannot write {target}: {str(exc).splitlines()[0]}") from None
+        return target
+
+
+def load(db: str | Path, table: str = "runs") -> pd.DataFrame:
+    """The dataset as a pandas DataFrame (`runs`: one row per repeat; `config_summary`: one
+    row per configuration)."""
+    with Store(db, read_only=True) as store:
+        return store.frame(table)

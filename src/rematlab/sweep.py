@@ -1,0 +1,221 @@
+"""Run a grid into the results database: isolated, one at a time per device, resumable.
+
+Each configuration runs in a child process of its own (a fresh allocator; a crash, a hang or
+an OOM stays there) under a timeout. Configurations already in the database are skipped, so
+re-running a grid resumes it. Only this driver process writes the database. The Ray backend
+(`rematlab.raybackend`) runs the same worker function as Ray tasks.
+
+Design note — why one at a time: two measurements sharing a device (or the CPU's cores)
+slow each other down unpredictably, so the local backend never overlaps them, and the Ray
+backend reserves a whole device (or all of a node's configured CPUs) per task.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from rematlab.exceptions import ConfigError
+from rematlab.grid import Grid
+from rematlab.measure import Spec
+from rematlab.store import Store, config_id
+
+ProgressFn = Callable[[Spec, str, int, int], None]  # spec, outcome, done, total
+
+
+@dataclass
+class SweepResult:
+    """A finished (or interrupted) sweep: counts, wall time, and the rows it can read back."""
+
+    db: Path
+    total: int
+    skipped: int
+    outcomes: Counter = field(default_factory=Counter)
+    wall_s: float = 0.0
+    measured_s: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def harness_overhead(self) -> float:
+        """Fraction of wall time not spent inside measured steps."""
+        return 1.0 - self.measured_s / self.wall_s if self.wall_s else 0.0
+
+    def __len__(self) -> int:
+        return sum(self.outcomes.values())
+
+    def frame(self) -> pd.DataFrame:
+        from rematlab.store import load
+
+        return load(self.db, "config_summary")
+
+    @property
+    def errors(self) -> pd.DataFrame:
+        df = self.frame()
+        return df[df["outcome"] == "error"]
+
+    def best(self, metric: str = "step_s_median", mode: str = "min") -> pd.Series:
+        df = self.frame()
+        df = df[df["outcome"] == "ok"]
+        return df.loc[df[metric].idxmin() if mode == "min" else df[metric].idxmax()]
+
+
+def run_config(spec_dict: dict) -> dict:
+    """Measure one configuration (in whatever process calls this) -> rows and timings."""
+    from rematlab.measure import measure
+
+    spec = Spec.from_dict(spec_dict)
+    try:
+        obs = measure(spec)
+    except ConfigError as exc:
+        return {"rows": [_failed_row(spec, "error", str(exc))], "measured_s": 0.0}
+    return {"rows": obs.rows(), "measured_s": obs.measured_seconds}
+
+
+def _failed_row(spec: Spec, outcome: str, message: str) -> dict:
+    from rematlab.measure import Observation
+
+    return Observation(spec=spec, outcome=outcome, error=message).rows()[0]
+
+
+def _child(spec_dict: dict, conn) -> None:
+    if sys.platform.startswith("linux"):  # die with the driver, never orphaned
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    try:
+        conn.send(run_config(spec_dict))
+    except BaseException as exc:  # report anything, the driver records it as an error
+        conn.send({"crash": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
+def run_isolated(spec: Spec, timeout: float) -> dict:
+    """`run_config` in a child process; a timeout or a crash becomes an `error` row."""
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(spec.to_dict(), child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if parent.poll(timeout):
+            result = parent.recv()
+        else:
+            result = {"crash": f"timeout after {timeout:g} s"}
+    except EOFError:
+        result = {"crash": "worker died (killed or crashed)"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    if "crash" in result:
+        code = proc.exitcode
+        message = result["crash"] + (f" (exit code {code})" if code not in (0, None) else "")
+        outcome = "oom" if code == -signal.SIGKILL and "timeout" not in message else "error"
+        return {"rows": [_failed_row(spec, outcome, message)], "measured_s": 0.0}
+    return result
+
+
+def resume_hint(grid_path: str, db: Path, backend: str) -> str:
+    extra = f" --backend {backend}" if backend != "local" else ""
+    return f"rematlab sweep {grid_path} --db {db}{extra}"
+
+
+def sweep(
+    grid: Grid,
+    db: str | Path,
+    *,
+    backend: str = "local",
+    ray_address: str | None = None,
+    progress: ProgressFn | None = None,
+    grid_label: str | None = None,
+) -> SweepResult:
+    """Run every configuration of `grid` not yet in `db`. Interrupting it (Ctrl-C, SIGTERM)
+    keeps everything finished so far; running it again resumes."""
+    if backend not in ("local", "ray"):
+        raise ConfigError(f"unknown backend {backend!r}; choose local or ray")
+    specs = grid.expand()
+    db = Path(db)
+    store = Store(db)
+    try:
+        done = store.done()
+        todo = [s for s in specs if config_id(s.to_dict()) not in done]
+        result = SweepResult(db=db, total=len(specs), skipped=len(specs) - len(todo))
+        sweep_id = uuid.uuid4().hex[:12]
+        store.start_sweep(sweep_id, grid_label or grid.name, backend, len(todo))
+        start = time.perf_counter()
+
+        def record(spec: Spec, out: dict) -> None:
+            store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
+                               out["rows"], out["measured_s"])
+            outcome = out["rows"][0]["outcome"]
+            result.outcomes[outcome] += 1
+            result.measured_s += out["measured_s"]
+            if progress:
+                progress(spec, outcome, result.skipped + len(result), result.total)
+
+        # Ctrl-C and SIGTERM stop the sweep cleanly even where a shell started it with
+        # SIGINT ignored (background jobs, batch schedulers).
+        previous = {sig: signal.signal(sig, _raise_interrupt)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        status = "failed"
+        try:
+            if backend == "local":
+                for spec in todo:
+                    record(spec, run_isolated(spec, grid.timeout))
+            else:
+                from rematlab.raybackend import run_on_ray
+
+                run_on_ray(todo, grid.timeout, record, address=ray_address)
+            status = "complete"
+        except KeyboardInterrupt:
+            result.interrupted = True
+            status = "interrupted"
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            result.wall_s = time.perf_counter() - start
+            store.finish_sweep(sweep_id, result.wall_s, result.measured_s, status)
+    finally:
+        store.close()
+    return result
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def estimate_seconds(specs: list[Spec]) -> float:
+    """A rough duration: FLOPs of a step from a meta-device trace at an assumed throughput
+    (15 GFLOP/s per CPU thread, 50 TFLOP/s on a GPU), times the steps a measurement runs,
+    plus a second of process start-up per configuration."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rematlab import zoo
+
+    cache: dict[tuple, float] = {}
+    total = 0.0
+    for s in specs:
+        key = (s.model, s.input, s.input_shape, s.batch)
+        if key not in cache:
+            with torch.device("meta"):
+                model, shape, _ = zoo.resolve(s.model, s.input, s.input_shape)
+                x = torch.empty(s.batch, *shape)
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    model(x).sum().backward()
+            cache[key] = float(counter.get_total_flops())
+        rate = 50e12 if s.device.startswith("cuda") else 15e9 * (s.threads or 2)
+        steps = s.warmup + 2 * s.repeats + 1
+        total += cache[key] * 1.3 * steps / rate + 1.0
+    return total

@@ -1,0 +1,212 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pytest
+
+from rematlab.exceptions import ConfigError
+from rematlab.grid import load_grid
+from rematlab.store import MIGRATIONS, SCHEMA_VERSION, Store, load
+from rematlab.sweep import sweep
+
+TINY = """
+name = "tiny"
+batches = [4, 8]
+strategies = ["none", "uniform:2", "sqrt"]
+repeats = 2
+{extra}
+[[models]]
+name = "mlp3"
+[[models]]
+name = "lenet5"
+"""
+
+
+def _grid(tmp_path: Path, extra: str = "", body: str | None = None) -> Path:
+    path = tmp_path / "grid.toml"
+    path.write_text(body if body is not None else TINY.format(extra=extra))
+    return path
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rematlab.cli", *args], capture_output=True,
+                          text=True, timeout=600, **kw)
+
+
+def test_shipped_grids_expand_as_documented():
+    assert len(load_grid("quick").expand()) == 90
+    seed = load_grid("seed-study").expand()
+    assert len(seed) >= 2064
+    quick = load_grid("quick").expand()
+    assert {s.model for s in quick} == {"mlp3", "mlp5", "mlp7", "lenet5", "alexnet", "vgg16"}
+    assert {s.strategy.split(":")[0] for s in quick} == {"none", "uniform", "every", "sqrt",
+                                                        "selective"}
+
+
+def test_dry_run_prints_count_and_estimate_and_writes_nothing(tmp_path):
+    db = tmp_path / "r.duckdb"
+    proc = _cli("sweep", str(_grid(tmp_path)), "--db", str(db), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "12 configurations" in proc.stdout and "estimated duration" in proc.stdout
+    assert not db.exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [("models = [", "malformed TOML"),
+     (TINY.replace('name = "lenet5"', 'name = "resnet9"'), "models.1.name"),
+     (TINY.replace("batches = [4, 8]", "batches = [-4]"), "batches.0"),
+     (TINY.replace('"sqrt"', '"zigzag"'), "strategies"),
+     (TINY.replace("repeats = 2", "repeats = 0"), "repeats"),
+     (TINY.replace("repeats = 2", "colour = 2"), "colour")],
+)
+def test_bad_grid_files_are_one_line_errors_naming_the_field(tmp_path, body, needle):
+    grid = _grid(tmp_path, body=body.format(extra="") if "{extra}" in body else body)
+    db = tmp_path / "r.duckdb"
+    proc = _cli("sweep", str(grid), "--db", str(db))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert not db.exists()
+
+
+def test_unwritable_database_path_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = _cli("sweep", str(_grid(tmp_path)), "--db", str(blocker / "sub" / "r.duckdb"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+
+
+def test_sweep_stores_rows_and_resumes_without_duplicates(tmp_path):
+    grid = load_grid(_grid(tmp_path))
+    db = tmp_path / "r.duckdb"
+    first = sweep(grid, db)
+    assert first.outcomes["ok"] == 12 and first.skipped == 0
+    again = sweep(grid, db)
+    assert again.skipped == 12 and len(again) == 0
+    runs = load(db)
+    assert len(runs) == 24 and not runs.duplicated(["config_id", "repeat"]).any()
+    summary = load(db, "config_summary")
+    assert len(summary) == 12 and (summary["n"] == 2).all()
+    assert (summary["peak_bytes_median"] > 0).all()
+    assert set(runs["vendor"]) == {"CPU"} and runs["method_peak"].notna().all()
+
+
+def test_memory_cap_gives_oom_rows_and_the_sweep_goes_on(tmp_path):
+    grid = load_grid(_grid(tmp_path, extra='max_memory = "4MiB"'))
+    db = tmp_path / "r.duckdb"
+    result = sweep(grid, db)
+    assert result.outcomes["oom"] == 6 and result.outcomes["ok"] == 6  # mlp3 > 4 MiB
+    runs = load(db)
+    assert set(runs[runs["cfg_model"] == "mlp3"]["outcome"]) == {"oom"}
+    assert runs[runs["outcome"] == "oom"]["error"].str.contains("cap").all()
+
+
+def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
+    body = TINY.format(extra="").replace("batches = [4, 8]", "batches = [4, 8, 16, 32]")
+    grid_path = _grid(tmp_path, body=body)
+    db = tmp_path / "r.duckdb"
+    proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
+                             "--db", str(db)], stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("[3/24]"):
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with Store(db) as store:
+        done = len(store.done())
+        counts = store.con.execute("SELECT config_id, count(*) FROM runs GROUP BY 1").fetchall()
+    assert 3 <= done < 24
+    assert len(counts) == done and all(n == 2 for _, n in counts)
+    result = sweep(load_grid(grid_path), db)
+    assert result.skipped == done and result.skipped + len(result) == 24
+    runs = load(db)
+    assert len(runs) == 48 and not runs.duplicated(["config_id", "repeat"]).any()
+
+
+def test_sigint_keeps_results_and_says_how_to_resume(tmp_path):
+    body = TINY.format(extra="").replace("batches = [4, 8]", "batches = [4, 8, 16, 32]")
+    grid_path = _grid(tmp_path, body=body)
+    db = tmp_path / "r.duckdb"
+    proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
+                             "--db", str(db)], stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("[2/24]"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130
+    assert f"resume with: rematlab sweep {grid_path} --db {db}" in rest
+    with Store(db) as store:
+        assert len(store.done()) >= 2
+        status = store.con.execute("SELECT status FROM sweeps").fetchall()
+    assert status == [("interrupted",)]
+
+
+def test_a_second_writer_gets_a_clear_error(tmp_path):
+    db = tmp_path / "r.duckdb"
+    with Store(db):
+        proc = _cli("sweep", str(_grid(tmp_path)), "--db", str(db))
+    assert proc.returncode == 2 and "in use by another process" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_store_lock_error_is_a_typed_exception(tmp_path):
+    db = tmp_path / "r.duckdb"
+    code = ("import sys; from rematlab.store import Store; from rematlab.exceptions import "
+            "StoreLockedError\ntry:\n    Store(sys.argv[1])\nexcept StoreLockedError:\n"
+            "    sys.exit(7)")
+    with Store(db):
+        proc = subprocess.run([sys.executable, "-c", code, str(db)], timeout=120)
+    assert proc.returncode == 7
+
+
+def test_export_and_load_round_trip(tmp_path):
+    db = tmp_path / "r.duckdb"
+    sweep(load_grid(_grid(tmp_path, body=TINY.format(extra="").replace(
+        'strategies = ["none", "uniform:2", "sqrt"]', 'strategies = ["none"]'))), db)
+    for fmt in ("parquet", "csv"):
+        out = tmp_path / f"runs.{fmt}"
+        proc = _cli("export", "--db", str(db), "--out", str(out), "--format", fmt)
+        assert proc.returncode == 0, proc.stderr
+        frame = pd.read_parquet(out) if fmt == "parquet" else pd.read_csv(out)
+        assert len(frame) == len(load(db)) == 8
+    proc = _cli("export", "--db", str(db), "--out", str(tmp_path / "x"), "--format", "xlsx")
+    assert proc.returncode == 2
+
+
+def test_old_schema_is_migrated_forward_without_losing_rows(tmp_path):
+    db = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(db))
+    for statement in MIGRATIONS[0]:
+        con.execute(statement)
+    con.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    con.execute("INSERT INTO runs (config_id, repeat, outcome) VALUES ('abc', 0, 'ok')")
+    con.close()
+    with Store(db) as store:
+        assert store.schema_version() == SCHEMA_VERSION
+        rows = store.con.execute("SELECT config_id, reserved_bytes FROM runs").fetchall()
+    assert rows == [("abc", None)]
+
+
+def test_load_of_a_missing_database_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError):
+        load(tmp_path / "nope.duckdb")
+
+
+@pytest.mark.ray
+def test_ray_backend_on_a_local_instance(tmp_path):
+    pytest.importorskip("ray")
+    grid = load_grid(_grid(tmp_path, body=TINY.format(extra="").replace(
+        "batches = [4, 8]", "batches = [4]")))
+    db = tmp_path / "r.duckdb"
+    start = time.time()
+    result = sweep(grid, db, backend="ray")
+    assert result.outcomes["ok"] == 6, result.outcomes
+    assert len(load(db)) == 12
+    assert sweep(grid, db, backend="ray").skipped == 6
+    assert time.time() - start < 300
