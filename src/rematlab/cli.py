@@ -289,6 +289,44 @@ def export(
     console.print(f"wrote {path}")
 
 
+
+@app.command("stats")
+@handles_errors
+def stats_cmd(
+    db: Annotated[Path, typer.Option(help="results database")],
+    memory_cap: Annotated[str | None, typer.Option(help="cap for 'enables batch', e.g. 8GiB")]
+    = None,
+    markdown: Annotated[Path | None, typer.Option(help="also write the tables here")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Statistical tests, effect sizes, guidelines and the study's claims on a dataset."""
+    from rematlab.stats import analyze
+    from rematlab.store import load
+
+    report = analyze(load(db, "config_summary"), load(db, "runs"),
+                     memory_cap=parse_bytes(memory_cap) if memory_cap else None)
+    if markdown is not None:
+        markdown.write_text(report.to_markdown())
+    if as_json:
+        _print_json(report.to_dict())
+        return
+    for name, frame in (("claims check", report.claims), ("guidelines", report.guidelines)):
+        table = Table(title=name)
+        for col in frame.columns:
+            table.add_column(str(col))
+        for _, row in frame.iterrows():
+            table.add_row(*[_cell(v) for v in row])
+        console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.3g}"
+    return str(value)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,325 @@
+"""Predict step time and peak memory of a configuration before running it.
+
+Features come from shape propagation on the meta device (no compute, no memory): the chain's
+per-block costs (`profile_chain` on meta), the strategy's plan over them, and the plan's
+simulated peak — the analytic memory model of `rematlab.plan`, itself a predictor. Learned
+models sit on top, as scikit-learn pipelines saved with skops (never pickle):
+
+- `sgd`, `rf`: the original study's baselines (SGDRegressor, RandomForestRegressor) on the
+  study's kind of inputs — the configuration itself (architecture, batch, strategy, dtype,
+  device) — and raw targets;
+- `gbr`: gradient boosting on log targets over the analytic features;
+- `analytic`: memory only, the simulated peak as is;
+- `analytic+gbr`: the analytic peak times a learned correction (boosting on the log residual).
+
+Evaluation splits by configuration (the dataset's summary has one row per configuration, so
+repeats of one configuration never straddle train and test).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.compose import ColumnTransformer
+from sklearn.ensemble import HistGradientBoostingRegressor, RandomForestRegressor
+from sklearn.linear_model import SGDRegressor
+from sklearn.metrics import r2_score
+from sklearn.model_selection import KFold, cross_val_predict
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+from rematlab import strategies, zoo
+from rematlab.exceptions import ConfigError
+from rematlab.measure import DTYPES, Spec
+
+CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
+CONFIG_CATEGORICAL = ["model", "strategy_kind", "dtype", "device", "optimizer"]
+ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_largest_segment",
+            "log_fwd_flops", "log_recompute_flops", "log_analytic_peak", "log_batch",
+            "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
+            "log_peak_flops", "log_bandwidth", "log_input_bytes"]
+# Peak dense throughput (FLOP/s) and memory bandwidth (B/s) of known devices, by name part.
+DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
+                "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
+                "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
+CPU_FLOPS_PER_THREAD = 30e9
+CPU_BANDWIDTH = 20e9
+
+
+def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, float]:
+    for key, value in DEVICE_PEAKS.items():
+        if device_name and key.lower() in device_name.lower():
+            return value
+    return CPU_FLOPS_PER_THREAD * (threads or 1), CPU_BANDWIDTH
+
+
+@lru_cache(maxsize=256)
+def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: int,
+           dtype: str, optimizer: str):
+    from rematlab.chain import find_chain, profile_chain
+
+    with torch.device("meta"):
+        net, sample, _ = zoo.resolve(model, scale, shape)
+        net = net.to(DTYPES[dtype])
+        x = torch.empty(batch, *sample, dtype=DTYPES[dtype])
+    blocks = find_chain(net).blocks
+    costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer)
+    kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0}
+    for m in net.modules():
+        name = type(m).__name__.lower()
+        for kind in kinds:
+            if kind in name or (kind == "norm" and "batchnorm" in name):
+                kinds[kind] += 1
+    return costs, kinds, x.numel() * x.element_size()
+
+
+def features(spec: Spec, device_name: str | None = None, threads: int | None = None) -> dict:
+    """Analytic and configuration features of one configuration (meta device, < 1 s)."""
+    from rematlab.plan import Segment, simulate
+
+    spec = spec.validate()
+    costs, kinds, input_bytes = _costs(spec.model, spec.input, spec.input_shape, spec.batch,
+                                       spec.dtype, spec.optimizer)
+    strat = strategies.parse(spec.strategy)
+    plan = strat.build(costs.n, costs)
+    peak, _ = simulate(plan, costs)
+
+    def recomputed(items) -> float:
+        total = 0.0
+        for it in items:
+            if isinstance(it, Segment):
+                total += sum(costs.fwd_flops[it.start:it.end]) + recomputed(it.inner)
+        return total
+
+    def held(items) -> int:
+        return sum(costs.saved[i] + costs.x[i] * costs.keeps_input[i] for i in items
+                   if isinstance(i, int)) + sum(costs.x[s.start] for s in items
+                                                if isinstance(s, Segment))
+
+    segments = [it for it in plan.items if isinstance(it, Segment)]
+    largest = max((sum(costs.saved[s.start:s.end]) + sum(costs.x[s.start:s.end])
+                   for s in segments), default=0)
+    fwd = sum(costs.fwd_flops)
+    rec = recomputed(plan.items)
+    peak_flops, bandwidth = device_peaks(device_name or spec.device, threads or spec.threads)
+    param_bytes = costs.base - costs.state - input_bytes
+    return {
+        "model": spec.model, "strategy_kind": strat.kind, "dtype": spec.dtype,
+        "device": device_name or spec.device, "optimizer": spec.optimizer,
+        "batch": spec.batch, "n_segments": len(segments),
+        "strategy_arg": float(strat.arg or 0.0),
+        "log_param_bytes": math.log1p(max(param_bytes, 0)),
+        "log_state_bytes": math.log1p(costs.state),
+        "log_saved_bytes": math.log1p(held(plan.items)),
+        "log_largest_segment": math.log1p(largest),
+        "log_fwd_flops": math.log1p(fwd), "log_recompute_flops": math.log1p(rec),
+        "log_analytic_peak": math.log(peak), "log_batch": math.log(spec.batch),
+        "recompute_ratio": rec / fwd if fwd else 0.0,
+        "n_conv": kinds["conv"], "n_linear": kinds["linear"], "n_pool": kinds["pool"],
+        "n_norm": kinds["norm"], "n_blocks": costs.n,
+        "log_peak_flops": math.log(peak_flops), "log_bandwidth": math.log(bandwidth),
+        "log_input_bytes": math.log(input_bytes), "analytic_peak": float(peak),
+    }
+
+
+def dataset(summary: pd.DataFrame) -> pd.DataFrame:
+    """Features and targets of every `ok` configuration of a `config_summary` frame."""
+    ok = summary[summary["outcome"] == "ok"].reset_index(drop=True)
+    rows = []
+    for _, r in ok.iterrows():
+        shape = tuple(int(v) for v in str(r["cfg_input_shape"]).split(",")) if isinstance(
+            r.get("cfg_input_shape"), str) and r["cfg_input_shape"] else None
+        spec = Spec(model=r["cfg_model"], batch=int(r["cfg_batch"]), strategy=r["cfg_strategy"],
+                    input=r["cfg_input"] if isinstance(r["cfg_input"], str) else None,
+                    input_shape=shape, device=r["cfg_device"], dtype=r["cfg_dtype"],
+                    optimizer=r["cfg_optimizer"])
+        f = features(spec, device_name=r.get("device_name"))
+        f.update({"time": float(r["step_s_median"]), "memory": float(r["peak_bytes_median"]),
+                  "device_key": f"{r.get('vendor')}:{r.get('device_name')}"})
+        rows.append(f)
+    return pd.DataFrame(rows)
+
+
+def _config_pipeline(estimator) -> Pipeline:
+    pre = ColumnTransformer([("num", StandardScaler(), CONFIG_NUMERIC),
+                             ("cat", OneHotEncoder(handle_unknown="ignore"), CONFIG_CATEGORICAL)])
+    return Pipeline([("pre", pre), ("model", estimator)])
+
+
+def _analytic_pipeline() -> Pipeline:
+    pre = ColumnTransformer([("num", "passthrough", ANALYTIC),
+                             ("cat", OneHotEncoder(handle_unknown="ignore"),
+                              ["strategy_kind", "dtype", "optimizer"])])
+    return Pipeline([("pre", pre), ("model", HistGradientBoostingRegressor(
+        max_iter=300, learning_rate=0.05, min_samples_leaf=5, random_state=0))])
+
+
+@dataclass
+class _Model:
+    """One predictor of one target: how it is fitted and how it predicts."""
+
+    name: str
+    target: str  # time | memory
+
+    def make(self) -> Pipeline | None:
+        if self.name == "sgd":
+            return _config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6, random_state=0))
+        if self.name == "rf":
+            return _config_pipeline(RandomForestRegressor(n_estimators=200, random_state=0))
+        if self.name in ("gbr", "analytic+gbr"):
+            return _analytic_pipeline()
+        return None  # analytic
+
+    def fit(self, X: pd.DataFrame, y: np.ndarray) -> Pipeline | None:
+        pipe = self.make()
+        if pipe is None:
+            return None
+        return pipe.fit(X, self._transform(X, y))
+
+    def predict(self, pipe: Pipeline | None, X: pd.DataFrame) -> np.ndarray:
+        if self.name == "analytic":
+            return X["analytic_peak"].to_numpy(float)
+        raw = pipe.predict(X)
+        if self.name in ("sgd", "rf"):
+            return np.maximum(raw, 1e-12)
+        if self.name == "gbr":
+            return np.exp(raw)
+        return X["analytic_peak"].to_numpy(float) * np.exp(raw)
+
+    def _transform(self, X: pd.DataFrame, y: np.ndarray) -> np.ndarray:
+        if self.name in ("sgd", "rf"):
+            return y
+        if self.name == "gbr":
+            return np.log(y)
+        return np.log(y / X["analytic_peak"].to_numpy(float))
+
+
+MODELS = {"time": ["sgd", "rf", "gbr"], "memory": ["sgd", "rf", "gbr", "analytic",
+                                                   "analytic+gbr"]}
+BEST = {"time": "gbr", "memory": "analytic+gbr"}
+
+
+def _metrics(y: np.ndarray, p: np.ndarray) -> dict:
+    ape = np.abs(p - y) / np.abs(y)
+    return {"r2": float(r2_score(y, p)) if len(y) > 1 else math.nan,
+            "mape": float(np.mean(ape)), "p90_ape": float(np.percentile(ape, 90)), "n": len(y)}
+
+
+def _splits(data: pd.DataFrame, protocol: str, seed: int = 0):
+    if protocol == "random 80/20":
+        rng = np.random.default_rng(seed)
+        idx = rng.permutation(len(data))
+        cut = int(0.8 * len(data))
+        yield idx[:cut], idx[cut:]
+        return
+    column = {"leave one architecture out": "model", "leave one batch size out": "batch",
+              "leave one device out": "device_key"}[protocol]
+    for value in sorted(data[column].unique()):
+        test = np.flatnonzero(data[column].to_numpy() == value)
+        train = np.flatnonzero(data[column].to_numpy() != value)
+        yield train, test
+
+
+def evaluate(data: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """One table, every model in rows, per protocol and target: R², MAPE, P90 APE."""
+    protocols = ["random 80/20", "leave one architecture out", "leave one batch size out"]
+    if data["device_key"].nunique() > 1:
+        protocols.append("leave one device out")
+    rows = []
+    for target, names in MODELS.items():
+        y = data[target].to_numpy(float)
+        for name in names:
+            model = _Model(name, target)
+            for protocol in protocols:
+                ys, ps = [], []
+                for train, test in _splits(data, protocol, seed):
+                    if len(train) < 5 or not len(test):
+                        continue
+                    pipe = model.fit(data.iloc[train], y[train])
+                    ys.append(y[test])
+                    ps.append(model.predict(pipe, data.iloc[test]))
+                if not ys:
+                    continue
+                label = name + (" (study baseline)" if name in ("sgd", "rf") else "")
+                rows.append({"target": target, "model": label, "protocol": protocol,
+                             **_metrics(np.concatenate(ys), np.concatenate(ps))})
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class Predictor:
+    """The best model per target plus a 90% interval from out-of-fold residuals
+    (split-conformal style). Constructor stores settings; `fit` learns; `predict` checks."""
+
+    coverage: float = 0.90
+    pipes_: dict = field(default_factory=dict)
+    half_width_: dict = field(default_factory=dict)
+
+    def fit(self, data: pd.DataFrame) -> Predictor:
+        if len(data) < 10:
+            raise ConfigError(f"need at least 10 ok configurations to fit, got {len(data)}")
+        for target, name in BEST.items():
+            model = _Model(name, target)
+            y = data[target].to_numpy(float)
+            folds = KFold(n_splits=min(5, len(data)), shuffle=True, random_state=0)
+            pipe = model.make()
+            oof = cross_val_predict(pipe, data, model._transform(data, y), cv=folds)
+            base = data["analytic_peak"].to_numpy(float) if name == "analytic+gbr" else 1.0
+            pred = base * np.exp(oof)
+            self.half_width_[target] = float(np.quantile(np.abs(np.log(pred / y)),
+                                                         self.coverage))
+            self.pipes_[target] = model.fit(data, y)
+        return self
+
+    def predict(self, X: pd.DataFrame) -> pd.DataFrame:
+        if not self.pipes_:
+            raise ConfigError("this predictor is not fitted: call fit() or load a saved one")
+        out = {}
+        for target, name in BEST.items():
+            p = _Model(name, target).predict(self.pipes_[target], X)
+            w = self.half_width_[target]
+            out[target] = p
+            out[f"{target}_low"] = p * math.exp(-w)
+            out[f"{target}_high"] = p * math.exp(w)
+        return pd.DataFrame(out, index=X.index)
+
+    def save(self, path: str | Path) -> None:
+        import skops.io as sio
+
+        sio.dump({"pipes": self.pipes_, "half_width": self.half_width_,
+                  "coverage": self.coverage}, str(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Predictor:
+        import skops.io as sio
+
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"predictor file {p} not found")
+        untrusted = sio.get_untrusted_types(file=str(p))
+        unsafe = [t for t in untrusted if not t.startswith(("sklearn.", "numpy.", "scipy."))]
+        if unsafe:
+            raise ConfigError(f"predictor file {p} holds types we do not load: {unsafe}")
+        state = sio.load(str(p), trusted=untrusted)
+        return cls(coverage=state["coverage"], pipes_=state["pipes"],
+                   half_width_=state["half_width"])
+
+
+def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | None = None
+            ) -> dict:
+    """Predicted step time (s) and peak memory (bytes) of `spec`, with a 90% interval."""
+    pred = predictor if isinstance(predictor, Predictor) else Predictor.load(predictor)
+    f = pd.DataFrame([features(spec, device_name=device_name)])
+    row = pred.predict(f).iloc[0]
+    return {"time_s": float(row["time"]), "time_s_interval": [float(row["time_low"]),
+                                                               float(row["time_high"])],
+            "peak_bytes": float(row["memory"]),
+            "peak_bytes_interval": [float(row["memory_low"]), float(row["memory_high"])],
+            "analytic_peak_bytes": float(f["analytic_peak"].iloc[0]),
+            "coverage": pred.coverage}

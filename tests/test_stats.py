@@ -1,0 +1,97 @@
+import numpy as np
+import pytest
+
+from rematlab.stats import Settings, analyze, hodges_lehmann
+from tests import synthetic
+
+FAST = Settings(bootstrap=300)
+
+
+def _claim(report, prefix):
+    rows = report.claims[report.claims["claim"].str.startswith(prefix)]
+    assert len(rows), prefix
+    return rows
+
+
+def test_planted_effects_are_confirmed():
+    frame = synthetic.summary({"mlp3": (0.7, 1.3), "vgg16": (0.6, 1.2)})
+    report = analyze(frame, settings=FAST)
+    assert report.blocks == 12
+    claim1 = _claim(report, "(1)")
+    assert set(claim1["verdict"]) == {"confirmed"}
+    effects = report.effects.set_index(["architecture", "strategy"])
+    assert effects.loc[("vgg16", "sqrt"), "memory_change"] == pytest.approx(-0.4, abs=1e-6)
+    assert effects.loc[("vgg16", "sqrt"), "time_change"] == pytest.approx(0.2, abs=0.02)
+
+
+def test_no_effect_is_not_confirmed():
+    frame = synthetic.summary({"mlp3": (1.0, 1.0), "vgg16": (1.0, 1.0)}, noise=0.02)
+    report = analyze(frame, settings=FAST)
+    claim1 = _claim(report, "(1)")
+    assert set(claim1["verdict"]) == {"not confirmed"}
+
+
+def test_ties_in_memory_are_handled():
+    frame = synthetic.summary({"mlp3": (1.0, 1.1), "lenet5": (1.0, 1.1)})
+    report = analyze(frame, settings=FAST)
+    memory = report.pairwise[report.pairwise["response"] == "memory"]
+    assert (memory["p"] == 1.0).all() and not memory["significant"].any()
+    verdicts = report.claims.set_index("claim")["verdict"]
+    assert verdicts["(3) mlp3: no memory benefit"] == "confirmed"
+
+
+def test_selective_equal_to_uniform_is_confirmed_and_a_difference_is_not():
+    same = analyze(synthetic.summary({"vgg16": (0.7, 1.2), "alexnet": (0.8, 1.1)}),
+                   settings=FAST)
+    assert set(_claim(same, "(2)")["verdict"]) <= {"confirmed"}
+    apart = analyze(synthetic.summary({"vgg16": (0.7, 1.2), "alexnet": (0.8, 1.1)},
+                                      selective_extra=-0.3), settings=FAST)
+    memory = _claim(apart, "(2)")
+    assert "not confirmed" in set(memory["verdict"])
+
+
+def test_too_few_blocks_are_inconclusive():
+    frame = synthetic.summary({"vgg16": (0.6, 1.2)}, batches=(16, 32))
+    report = analyze(frame, settings=FAST)
+    assert set(report.claims["verdict"]) == {"inconclusive"}
+    assert report.notes and "inconclusive" in report.notes[0]
+
+
+def test_architecture_claims_follow_the_data():
+    frame = synthetic.summary({"mlp3": (1.0, 1.05), "vgg16": (0.6, 1.15),
+                               "alexnet": (0.85, 1.1), "lenet5": (0.5, 1.1)})
+    verdicts = analyze(frame, settings=FAST).claims.set_index("claim")["verdict"]
+    assert verdicts["(3) mlp3: no memory benefit"] == "confirmed"
+    assert verdicts["(3) lenet5: no memory benefit"] == "not confirmed"
+    assert verdicts["(3) alexnet: moderate memory gains"] == "confirmed"
+    assert verdicts["(3) vgg16: memory reduction with bounded time overhead"] == "confirmed"
+    assert verdicts["(3) mlp5: no memory benefit"] == "inconclusive"  # no data
+
+
+def test_guidelines_recommend_and_find_the_payoff_batch():
+    frame = synthetic.summary({"vgg16": (0.6, 1.15), "mlp3": (1.0, 1.05)})
+    report = analyze(frame, settings=FAST, memory_cap=int(100e6))
+    g = report.guidelines.set_index(["architecture", "batch band"])
+    assert (g.loc["mlp3", "recommended"] == "none").all()
+    assert (g.loc["vgg16", "recommended"] != "none").all()
+    assert (g.loc["vgg16", "pays off from batch"] == 16).all()
+    # none's peak crosses 100 MB between batch 64 and 128; 0.6x still fits at 128
+    enables = g.loc["vgg16", "enables batch under cap"].iloc[0]
+    assert enables in (128, 256)
+
+
+def test_noisy_cells_are_flagged_and_markdown_renders():
+    frame = synthetic.summary({"vgg16": (0.6, 1.2), "mlp3": (0.9, 1.1)})
+    report = analyze(frame, runs=synthetic.runs(frame, cv=0.3), settings=FAST)
+    assert len(report.noise) > 0 and (report.noise["cv"] > 0.1).all()
+    text = report.to_markdown()
+    for section in ("### claims", "### guidelines", "### effects", "### friedman",
+                    "### pairwise", "### mixed model"):
+        assert section in text
+    assert report.to_dict()["blocks"] == 12
+
+
+def test_hodges_lehmann_matches_its_definition():
+    x = np.array([1.0, 2.0, 10.0])
+    walsh = [1.0, 1.5, 5.5, 2.0, 6.0, 10.0]
+    assert hodges_lehmann(x) == np.median(walsh)
