@@ -40,6 +40,16 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 NOISY_IQR_RATIO = 0.10  # IQR / median above this: too noisy to conclude from
+MIN_REPEAT_SECONDS = 0.05  # a repeat averages enough steps to last at least this long
+MAX_STEPS_PER_REPEAT = 50
+
+
+def steps_per_repeat(step_seconds: float) -> int:
+    """Fast steps are averaged in groups (as `timeit` does) so that clock resolution and
+    scheduler jitter do not dominate a repeat; slow steps are timed one by one."""
+    if step_seconds <= 0:
+        return 1
+    return max(1, min(MAX_STEPS_PER_REPEAT, math.ceil(MIN_REPEAT_SECONDS / step_seconds)))
 
 
 def make_optimizer(name: str, params, lr: float = 0.01) -> torch.optim.Optimizer:
@@ -390,7 +400,8 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
     clock = clock or clock_for(device)
     obs.methods = {
         "time": f"{type(clock).__name__}, device-synchronised, per phase; median and IQR "
-                f"of {spec.repeats} steps after {spec.warmup} warm-up steps",
+                f"of {spec.repeats} repeats after {spec.warmup} warm-up steps, each repeat the "
+                f"mean of enough steps to last {MIN_REPEAT_SECONDS:g} s (steps_per_repeat)",
         "peak": "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
                 if device.type == "cuda" else LiveTensorTracker.method,
         "flops": "torch.utils.flop_counter.FlopCounterMode, second warm-up step",
@@ -405,18 +416,21 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
         counted.run()  # warm-up 2: FLOPs and saved bytes
         for _ in range(spec.warmup - 2):
             _step(setup, clock)
+        probe = _step(setup, clock)["step"]  # sizes the repeats; not recorded
+        steps = steps_per_repeat(probe)
         times: dict[str, list[float]] = {}
         for _ in range(spec.repeats):
-            for phase, value in _step(setup, clock).items():
-                times.setdefault(phase, []).append(value)
+            runs = [_step(setup, clock) for _ in range(steps)]
+            for phase in runs[0]:
+                times.setdefault(phase, []).append(statistics.fmean(r[phase] for r in runs))
             tracked = _Tracked(setup, device, spec.max_memory, count=False)
             peak, reserved = tracked.run()
             obs.peaks.append(peak)
             obs.reserved.append(reserved)
         obs.times = times
-        obs.measured_seconds = sum(times["step"])
+        obs.measured_seconds = sum(times["step"]) * steps
         obs.phase_peaks = tracked.phase_peaks
-        obs.figures = _figures(setup, counted)
+        obs.figures = {**_figures(setup, counted), "steps_per_repeat": steps}
     except ConfigError:
         raise
     except Exception as exc:  # an outcome to record, not a crash

@@ -30,7 +30,7 @@ from sklearn.compose import ColumnTransformer
 from sklearn.ensemble import HistGradientBoostingRegressor, RandomForestRegressor
 from sklearn.linear_model import SGDRegressor
 from sklearn.metrics import r2_score
-from sklearn.model_selection import KFold, cross_val_predict
+from sklearn.model_selection import KFold
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
@@ -70,7 +70,8 @@ def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: 
         x = torch.empty(batch, *sample, dtype=DTYPES[dtype])
     blocks = find_chain(net).blocks
     costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer)
-    kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0}
+    kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0,
+             "leaf": sum(1 for m in net.modules() if not list(m.children()))}
     for m in net.modules():
         name = type(m).__name__.lower()
         for kind in kinds:
@@ -125,6 +126,11 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
         "n_norm": kinds["norm"], "n_blocks": costs.n,
         "log_peak_flops": math.log(peak_flops), "log_bandwidth": math.log(bandwidth),
         "log_input_bytes": math.log(input_bytes), "analytic_peak": float(peak),
+        # roofline terms, in seconds at the device's peak rates
+        "flops_s": (3.0 * fwd + rec) / peak_flops,
+        "bytes_s": (3.0 * (sum(costs.x) + sum(costs.saved)) * (1 + rec / fwd if fwd else 1)
+                    + 4.0 * max(param_bytes, 0)) / bandwidth,
+        "ops": kinds["leaf"] * (3.0 + (rec / fwd if fwd else 0.0)),
     }
 
 
@@ -160,6 +166,17 @@ def _analytic_pipeline() -> Pipeline:
         max_iter=300, learning_rate=0.05, min_samples_leaf=5, random_state=0))])
 
 
+def _roofline() -> Pipeline:
+    """time ~ a * FLOP-seconds + b * byte-seconds + c * ops + d, fitted for relative error."""
+    from sklearn.linear_model import LinearRegression
+
+    pre = ColumnTransformer([("num", "passthrough", ROOFLINE)])
+    return Pipeline([("pre", pre), ("model", LinearRegression(positive=True))])
+
+
+ROOFLINE = ["flops_s", "bytes_s", "ops"]
+
+
 @dataclass
 class _Model:
     """One predictor of one target: how it is fitted and how it predicts."""
@@ -167,42 +184,44 @@ class _Model:
     name: str
     target: str  # time | memory
 
-    def make(self) -> Pipeline | None:
-        if self.name == "sgd":
-            return _config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6, random_state=0))
-        if self.name == "rf":
-            return _config_pipeline(RandomForestRegressor(n_estimators=200, random_state=0))
-        if self.name in ("gbr", "analytic+gbr"):
-            return _analytic_pipeline()
-        return None  # analytic
-
-    def fit(self, X: pd.DataFrame, y: np.ndarray) -> Pipeline | None:
-        pipe = self.make()
-        if pipe is None:
+    def fit(self, X: pd.DataFrame, y: np.ndarray):
+        if self.name == "analytic":
             return None
-        return pipe.fit(X, self._transform(X, y))
+        if self.name == "sgd":
+            return _config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6,
+                                                 random_state=0)).fit(X, y)
+        if self.name == "rf":
+            return _config_pipeline(RandomForestRegressor(n_estimators=200,
+                                                          random_state=0)).fit(X, y)
+        if self.name == "gbr":
+            return _analytic_pipeline().fit(X, np.log(y))
+        if self.name == "analytic+gbr":
+            return _analytic_pipeline().fit(X, np.log(y / X["analytic_peak"].to_numpy(float)))
+        roof = _roofline().fit(X, y, model__sample_weight=1.0 / y**2)
+        if self.name == "roofline":
+            return {"roofline": roof}
+        residual = np.log(y / np.maximum(roof.predict(X), 1e-12))
+        return {"roofline": roof, "correction": _analytic_pipeline().fit(X, residual)}
 
-    def predict(self, pipe: Pipeline | None, X: pd.DataFrame) -> np.ndarray:
+    def predict(self, fitted, X: pd.DataFrame) -> np.ndarray:
         if self.name == "analytic":
             return X["analytic_peak"].to_numpy(float)
-        raw = pipe.predict(X)
         if self.name in ("sgd", "rf"):
-            return np.maximum(raw, 1e-12)
+            return np.maximum(fitted.predict(X), 1e-12)
         if self.name == "gbr":
-            return np.exp(raw)
-        return X["analytic_peak"].to_numpy(float) * np.exp(raw)
-
-    def _transform(self, X: pd.DataFrame, y: np.ndarray) -> np.ndarray:
-        if self.name in ("sgd", "rf"):
-            return y
-        if self.name == "gbr":
-            return np.log(y)
-        return np.log(y / X["analytic_peak"].to_numpy(float))
+            return np.exp(fitted.predict(X))
+        if self.name == "analytic+gbr":
+            return X["analytic_peak"].to_numpy(float) * np.exp(fitted.predict(X))
+        out = np.maximum(fitted["roofline"].predict(X), 1e-12)
+        if "correction" in fitted:
+            out = out * np.exp(fitted["correction"].predict(X))
+        return out
 
 
-MODELS = {"time": ["sgd", "rf", "gbr"], "memory": ["sgd", "rf", "gbr", "analytic",
-                                                   "analytic+gbr"]}
-BEST = {"time": "gbr", "memory": "analytic+gbr"}
+MODELS = {"time": ["sgd", "rf", "gbr", "roofline", "roofline+gbr"],
+          "memory": ["sgd", "rf", "gbr", "analytic", "analytic+gbr"]}
+CANDIDATES = {"time": ["gbr", "roofline", "roofline+gbr"],
+              "memory": ["analytic", "analytic+gbr"]}
 
 
 def _metrics(y: np.ndarray, p: np.ndarray) -> dict:
@@ -258,31 +277,42 @@ class Predictor:
     (split-conformal style). Constructor stores settings; `fit` learns; `predict` checks."""
 
     coverage: float = 0.90
-    pipes_: dict = field(default_factory=dict)
+    names_: dict = field(default_factory=dict)
+    fitted_: dict = field(default_factory=dict)
     half_width_: dict = field(default_factory=dict)
 
     def fit(self, data: pd.DataFrame) -> Predictor:
+        """Per target, pick the candidate with the lowest out-of-fold MAPE, then refit it on
+        all data; the interval half-width is the `coverage` quantile of its out-of-fold
+        absolute log error."""
         if len(data) < 10:
             raise ConfigError(f"need at least 10 ok configurations to fit, got {len(data)}")
-        for target, name in BEST.items():
-            model = _Model(name, target)
+        folds = list(KFold(n_splits=5, shuffle=True, random_state=0).split(data))
+        for target, names in CANDIDATES.items():
             y = data[target].to_numpy(float)
-            folds = KFold(n_splits=min(5, len(data)), shuffle=True, random_state=0)
-            pipe = model.make()
-            oof = cross_val_predict(pipe, data, model._transform(data, y), cv=folds)
-            base = data["analytic_peak"].to_numpy(float) if name == "analytic+gbr" else 1.0
-            pred = base * np.exp(oof)
-            self.half_width_[target] = float(np.quantile(np.abs(np.log(pred / y)),
+            best = None
+            for name in names:
+                model = _Model(name, target)
+                oof = np.empty(len(y))
+                for train, test in folds:
+                    oof[test] = model.predict(model.fit(data.iloc[train], y[train]),
+                                              data.iloc[test])
+                err = float(np.mean(np.abs(oof - y) / y))
+                if best is None or err < best[1]:
+                    best = (name, err, oof)
+            name, _, oof = best
+            self.names_[target] = name
+            self.half_width_[target] = float(np.quantile(np.abs(np.log(oof / y)),
                                                          self.coverage))
-            self.pipes_[target] = model.fit(data, y)
+            self.fitted_[target] = _Model(name, target).fit(data, y)
         return self
 
     def predict(self, X: pd.DataFrame) -> pd.DataFrame:
-        if not self.pipes_:
+        if not self.fitted_:
             raise ConfigError("this predictor is not fitted: call fit() or load a saved one")
         out = {}
-        for target, name in BEST.items():
-            p = _Model(name, target).predict(self.pipes_[target], X)
+        for target, name in self.names_.items():
+            p = _Model(name, target).predict(self.fitted_[target], X)
             w = self.half_width_[target]
             out[target] = p
             out[f"{target}_low"] = p * math.exp(-w)
@@ -292,8 +322,8 @@ class Predictor:
     def save(self, path: str | Path) -> None:
         import skops.io as sio
 
-        sio.dump({"pipes": self.pipes_, "half_width": self.half_width_,
-                  "coverage": self.coverage}, str(path))
+        sio.dump({"names": self.names_, "fitted": self.fitted_,
+                  "half_width": self.half_width_, "coverage": self.coverage}, str(path))
 
     @classmethod
     def load(cls, path: str | Path) -> Predictor:
@@ -307,8 +337,8 @@ class Predictor:
         if unsafe:
             raise ConfigError(f"predictor file {p} holds types we do not load: {unsafe}")
         state = sio.load(str(p), trusted=untrusted)
-        return cls(coverage=state["coverage"], pipes_=state["pipes"],
-                   half_width_=state["half_width"])
+        return cls(coverage=state["coverage"], names_=state["names"],
+                   fitted_=state["fitted"], half_width_=state["half_width"])
 
 
 def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | None = None
@@ -322,4 +352,4 @@ def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | No
             "peak_bytes": float(row["memory"]),
             "peak_bytes_interval": [float(row["memory_low"]), float(row["memory_high"])],
             "analytic_peak_bytes": float(f["analytic_peak"].iloc[0]),
-            "coverage": pred.coverage}
+            "coverage": pred.coverage, "models": dict(pred.names_)}

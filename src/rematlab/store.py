@@ -39,6 +39,7 @@ RUN_COLUMNS: dict[str, str] = {
     "optimizer_state_bytes": "BIGINT", "saved_activation_bytes": "BIGINT",
     "forward_flops": "DOUBLE", "backward_flops": "DOUBLE", "recompute_flops": "DOUBLE",
     "optimizer_flops": "DOUBLE", "n_blocks": "INTEGER", "n_segments": "INTEGER",
+    "steps_per_repeat": "INTEGER",
     "plan": "VARCHAR",
     "method_time": "VARCHAR", "method_peak": "VARCHAR", "method_flops": "VARCHAR",
     "method_saved": "VARCHAR",
@@ -56,15 +57,19 @@ MIGRATIONS: dict[int, list[str]] = {
     0: [
         "CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
         "CREATE TABLE runs ({})".format(", ".join(f"{k} {t}" for k, t in
-                                                   RUN_COLUMNS.items() if k != "reserved_bytes")),
+                                                   RUN_COLUMNS.items()
+                                                   if k not in ("reserved_bytes",
+                                                                "steps_per_repeat"))),
         "CREATE TABLE configs (config_id VARCHAR PRIMARY KEY, sweep_id VARCHAR, "
         "spec VARCHAR, outcome VARCHAR, measured_s DOUBLE, finished_at TIMESTAMP)",
         "CREATE TABLE sweeps (sweep_id VARCHAR PRIMARY KEY, grid VARCHAR, backend VARCHAR, "
         "started_at TIMESTAMP, finished_at TIMESTAMP, wall_s DOUBLE, measured_s DOUBLE, "
         "configs INTEGER, status VARCHAR)",
     ],
-    # v2: allocator-reserved bytes (CUDA) next to allocated peak bytes
-    1: ["ALTER TABLE runs ADD COLUMN reserved_bytes BIGINT"],
+    # v2: allocator-reserved bytes (CUDA) next to allocated peak bytes; steps averaged per
+    # timed repeat
+    1: ["ALTER TABLE runs ADD COLUMN reserved_bytes BIGINT",
+        "ALTER TABLE runs ADD COLUMN steps_per_repeat INTEGER"],
 }
 
 

@@ -1,0 +1,142 @@
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from rematlab.exceptions import ConfigError
+from rematlab.gradients import (
+    Method,
+    direction,
+    estimate,
+    fmad_gradient,
+    for_finetuning,
+    perturbed,
+    summarize,
+    train,
+    verdict,
+    zo_gradient,
+)
+from rematlab.zoo import mlp
+
+
+class Quadratic(nn.Module):
+    """f(θ) = ½ θᵀAθ + bᵀθ with a known gradient Aθ + b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        m = torch.randn(5, 5, generator=g, dtype=torch.float64)
+        self.register_buffer("a", m @ m.T + torch.eye(5, dtype=torch.float64))
+        self.register_buffer("b", torch.randn(5, generator=g, dtype=torch.float64))
+        self.theta = nn.Parameter(torch.randn(5, generator=g, dtype=torch.float64))
+
+    def forward(self, _x: object = None) -> torch.Tensor:
+        return 0.5 * self.theta @ self.a @ self.theta + self.b @ self.theta
+
+    def true_gradient(self) -> torch.Tensor:
+        return (self.a @ self.theta + self.b).detach()
+
+
+@pytest.mark.parametrize("kind", ["fmad", "zo"])
+def test_estimates_are_unbiased_on_a_quadratic(kind):
+    q = Quadratic()
+    true = q.true_gradient()
+    errors = []
+    for k in (10, 1000, 20000):
+        if kind == "fmad":
+            fmad_gradient(q, lambda m: m(None), k=k, seed=1)
+        else:
+            zo_gradient(q, lambda m: m(None), k=k, eps=1e-3, seed=1)
+        errors.append(float((q.theta.grad - true).norm() / true.norm()))
+    assert errors[-1] < 0.05
+    assert errors[0] > errors[-1]  # more directions, closer to the true gradient
+
+
+def test_seed_trick_restores_parameters_bit_exactly():
+    model = mlp(3, in_features=16, width=32)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(8, 16)
+    y = torch.randint(0, 10, (8,))
+    zo_gradient(model, lambda m: nn.functional.cross_entropy(m(x), y), k=7, eps=1e-2, seed=3)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+    p0 = next(model.parameters())
+    assert torch.equal(direction(5, 0, p0), direction(5, 0, p0))
+    assert not torch.equal(direction(5, 0, p0), direction(6, 0, p0))
+
+
+def test_perturbation_is_really_applied():
+    model = mlp(3, in_features=16, width=32)
+    x = torch.randn(4, 16)
+    names = [n for n, _ in model.named_parameters()]
+    shifted = {n: p.detach() + 0.1 * direction(9, i, p)
+               for i, (n, p) in enumerate(model.named_parameters())}
+    want = torch.func.functional_call(model, shifted, (x,))
+    with torch.no_grad(), perturbed(model, 9, 0.1):
+        got = model(x)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert len(names) == 6
+
+
+def _flops(method: str, model: nn.Module, loss_fn) -> float:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        estimate(Method.parse(method), model, loss_fn, seed=0)
+    return float(counter.get_total_flops())
+
+
+def test_flops_per_step_scale_with_the_number_of_directions():
+    model = mlp(3, in_features=16, width=32)
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+
+    def loss_fn(m):
+        return nn.functional.cross_entropy(m(x), y)
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        loss_fn(model)
+    forward = counter.get_total_flops()
+    assert _flops("zo:1", model, loss_fn) == 2 * forward
+    for k in (4, 16):
+        assert _flops(f"zo:{k}", model, loss_fn) == k * _flops("zo:1", model, loss_fn)
+        assert _flops(f"fmad:{k}", model, loss_fn) == k * _flops("fmad:1", model, loss_fn)
+    assert _flops("fmad:1", model, loss_fn) > forward  # tangents are counted too
+
+
+def test_bp_and_bp_with_checkpointing_train_to_identical_weights():
+    a = train("mlp5", "bp", steps=20, eval_every=10, lr=0.05, keep_weights=True)
+    b = train("mlp5", "bp+ckpt:uniform:2", steps=20, eval_every=10, lr=0.05,
+              keep_weights=True)
+    assert a.state.keys() == b.state.keys()
+    for key, value in a.state.items():
+        assert torch.equal(value, b.state[key]), key
+    assert a.accuracy == b.accuracy
+    assert b.cosine == pytest.approx([1.0] * len(b.cosine), abs=1e-5)
+    assert b.flops_per_step > a.flops_per_step  # recomputation is counted
+
+
+def test_finetuning_trains_only_adapters_and_head():
+    model = for_finetuning(mlp(3, in_features=64, width=32), classes=10)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith((".a", ".b")) or n.startswith("2.") for n in trainable)
+    run = train("mlp3", "zo:2", steps=10, eval_every=5, finetune=True, lr=1e-3)
+    assert len(run.accuracy) == 3
+
+
+def test_verdict_is_computed_from_the_table():
+    runs = [train("mlp3", m, steps=30, eval_every=10, lr=lr)
+            for m, lr in (("bp", 0.05), ("bp+ckpt", 0.05), ("fmad:2", 1e-3), ("zo:2", 1e-3))]
+    table = summarize(runs)
+    v = verdict(table)["mlp3"]
+    assert set(v) == {"fmad", "zo"}
+    ck = next(r for r in table if r["method"].startswith("bp+ckpt"))
+    fm = next(r for r in table if r["method"] == "fmad:2")
+    assert v["fmad"]["accuracy_points"] == pytest.approx(ck["final_accuracy"]
+                                                         - fm["final_accuracy"])
+    assert "BP+checkpointing" in v["zo"]["statement"]
+
+
+@pytest.mark.parametrize("bad", ["sgd", "fmad:0", "zo:x", "bp:3"])
+def test_bad_methods_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        Method.parse(bad)
