@@ -327,6 +327,163 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+
+@app.command()
+@handles_errors
+def fit(
+    db: Annotated[Path, typer.Option(help="results database")],
+    out: Annotated[Path, typer.Option(help="predictor file (.skops)")] = Path("predictor.skops"),
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Fit and evaluate the time and memory predictors; print the evaluation table."""
+    from rematlab.predict import Predictor, dataset, evaluate
+    from rematlab.store import load
+
+    data = dataset(load(db, "config_summary"))
+    table = evaluate(data)
+    predictor = Predictor().fit(data)
+    predictor.save(out)
+    if as_json:
+        _print_json({"evaluation": table.to_dict(orient="records"),
+                     "models": predictor.names_, "predictor": str(out)})
+        return
+    view = Table(title=f"evaluation on {len(data)} configurations (one row per model)")
+    for col in ("target", "model", "protocol", "r2", "mape", "p90_ape", "n"):
+        view.add_column(col, justify="right")
+    for _, r in table.iterrows():
+        view.add_row(r["target"], r["model"], r["protocol"], f"{r['r2']:.4f}",
+                     f"{r['mape']:.2%}", f"{r['p90_ape']:.2%}", str(r["n"]))
+    console.print(view)
+    console.print(f"chosen: time={predictor.names_['time']}, "
+                  f"memory={predictor.names_['memory']}; saved to {out}")
+
+
+@app.command("predict")
+@handles_errors
+def predict_cmd(
+    predictor: Annotated[Path, typer.Option(help="file written by rematlab fit")],
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    batch: int = 32,
+    strategy: str = "none",
+    input: Annotated[str | None, typer.Option(help="input scale")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="per-sample shape")] = None,
+    device: str = "cpu",
+    device_name: Annotated[str | None, typer.Option(help="e.g. 'NVIDIA H100'")] = None,
+    dtype: str = "float32",
+    optimizer: str = "momentum",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Predict step time and peak memory of a configuration without running it."""
+    from rematlab.measure import Spec
+    from rematlab.predict import predict
+
+    spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
+                input_shape=_shape(input_shape), device=device, dtype=dtype,
+                optimizer=optimizer)
+    result = predict(predictor, spec, device_name=device_name)
+    if as_json:
+        _print_json(result)
+        return
+    lo, hi = result["time_s_interval"]
+    mlo, mhi = result["peak_bytes_interval"]
+    console.print(f"step time {result['time_s'] * 1e3:.2f} ms "
+                  f"[{lo * 1e3:.2f}, {hi * 1e3:.2f}] ({result['coverage']:.0%} interval)")
+    console.print(f"peak memory {format_bytes(result['peak_bytes'])} "
+                  f"[{format_bytes(mlo)}, {format_bytes(mhi)}]")
+
+
+@app.command()
+@handles_errors
+def gradients(
+    models: Annotated[str, typer.Option(help="comma-separated: mlp3, mlp5, mlp7, lenet5, "
+                                             "synthetic-mlp5")] = "mlp5,lenet5",
+    budgets: Annotated[str, typer.Option(help="directions per step for FmAD and ZO")]
+    = "1,4,16,64",
+    seeds: int = 3,
+    steps: int = 150,
+    finetune: Annotated[bool, typer.Option(help="frozen backbone + LoRA adapters")] = False,
+    strategy: Annotated[str, typer.Option(help="checkpointing for BP+ckpt")] = "sqrt",
+    out: Annotated[Path | None, typer.Option(help="write JSON, table and plots here")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Compare BP+checkpointing with forward-mode AD and zeroth-order training."""
+    from rematlab.gradients import compare
+    from rematlab.strategies import parse
+
+    parse(strategy)
+    try:
+        ks = [int(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(f"budgets {budgets!r} must be comma-separated integers") from None
+    if not ks or min(ks) <= 0 or seeds <= 0 or steps <= 0:
+        raise ConfigError("budgets, seeds and steps must be positive")
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    result = compare(names, ks, seeds, steps=steps, finetune=finetune, strategy=strategy,
+                     progress=lambda m: sys.stderr.write(f"{m}\n"))
+    data = result.to_dict()
+    if out is not None:
+        _write_gradient_outputs(out, data)
+    if as_json:
+        _print_json({k: v for k, v in data.items() if k != "runs"})
+        return
+    view = Table(title="gradient estimators (mean over seeds)")
+    cols = ("model", "method", "lr", "final_accuracy", "reached", "seconds_to_target",
+            "flops_to_target", "non_param_bytes", "cosine_to_true_grad", "diverged")
+    for col in cols:
+        view.add_column(col, justify="right")
+    for row in data["table"]:
+        view.add_row(*[_cell(row[c]) if row[c] is not None else "not reached" for c in cols])
+    console.print(view)
+    for model, fams in data["verdict"].items():
+        for fam, entry in fams.items():
+            console.print(f"{model} vs best {fam}: {entry['statement']}")
+
+
+def _write_gradient_outputs(out: Path, data: dict) -> None:
+    import base64
+
+    from rematlab.report import gradient_figures
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gradients.json").write_text(json.dumps(data, indent=2, default=_jsonable))
+    for name, png in zip(("accuracy_vs_flops", "accuracy_vs_time"), gradient_figures(data),
+                         strict=False):
+        (out / f"{name}.png").write_bytes(base64.b64decode(png))
+
+
+@app.command()
+@handles_errors
+def study(
+    grid: Annotated[str, typer.Option(help="quick, seed-study or a grid file")] = "quick",
+    db: Annotated[Path | None, typer.Option(help="results database")] = None,
+    out: Annotated[Path, typer.Option(help="report directory")] = Path("results/study"),
+    backend: Annotated[str, typer.Option(help="local or ray")] = "local",
+    device: Annotated[str | None, typer.Option(help="override the grid's devices")] = None,
+) -> None:
+    """Reproduce the whole study: sweep, predictors, statistics, plans, gradients, report."""
+    from rematlab.grid import load_grid
+    from rematlab.measure import parse_device
+    from rematlab.study import StudySettings, run_study
+
+    if device:
+        parse_device(device)
+    spec_grid = load_grid(grid)
+    database = db or Path("results") / f"{spec_grid.name}.duckdb"
+    settings = StudySettings(grid=grid, db=database, out=out, backend=backend, device=device)
+
+    def runner(g, path):
+        return run_sweep(g, path, backend, None, grid)
+
+    try:
+        html, md = run_study(settings, say=lambda m: sys.stderr.write(m + "\n"),
+                             sweep_runner=runner)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"interrupted; the sweep is resumable: rerun rematlab study --grid "
+                         f"{grid} --db {database} --out {out}\n")
+        raise typer.Exit(130) from None
+    console.print(f"report: {html} and {md}")
+
+
 def main() -> None:
     app()
 

@@ -433,6 +433,8 @@ def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int
             progress: Callable[[str], None] | None = None) -> Comparison:
     """Every method on every model: learning rate chosen on seed 0 from the same grid for each
     method family, then `seeds` seeds at that rate."""
+    for model in models:  # fail on a bad name before any training starts
+        build_model(model)
     methods = [Method("bp"), Method("bp+ckpt", strategy=strategy)]
     methods += [Method("fmad", k=k) for k in budgets] + [Method("zo", k=k) for k in budgets]
     runs: list[Run] = []

@@ -280,6 +280,7 @@ class Predictor:
     names_: dict = field(default_factory=dict)
     fitted_: dict = field(default_factory=dict)
     half_width_: dict = field(default_factory=dict)
+    oof_: dict = field(default_factory=dict)  # out-of-fold predictions of the chosen models
 
     def fit(self, data: pd.DataFrame) -> Predictor:
         """Per target, pick the candidate with the lowest out-of-fold MAPE, then refit it on
@@ -302,6 +303,7 @@ class Predictor:
                     best = (name, err, oof)
             name, _, oof = best
             self.names_[target] = name
+            self.oof_[target] = oof
             self.half_width_[target] = float(np.quantile(np.abs(np.log(oof / y)),
                                                          self.coverage))
             self.fitted_[target] = _Model(name, target).fit(data, y)

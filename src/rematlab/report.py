@@ -1,0 +1,262 @@
+"""Figures and the self-contained study report (HTML with embedded PNGs, and Markdown).
+
+The report is readable by someone who never ran rematlab: what was run and where, how each
+figure was measured, the Pareto fronts with the planner's plans, predicted-versus-measured
+scatters beside the original study's R², the statistics and guidelines, the gradient-estimator
+comparison, and the limitations that follow from the data.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+STUDY_R2 = {"time": 0.8594, "memory": 0.8330}  # the original study, random 80/20 split
+
+
+@dataclass
+class StudyResults:
+    """Everything the report shows; each part may be empty when its stage did not run."""
+
+    grid: str
+    summary: pd.DataFrame
+    runs: pd.DataFrame
+    evaluation: pd.DataFrame = field(default_factory=pd.DataFrame)
+    predictions: pd.DataFrame = field(default_factory=pd.DataFrame)  # target, measured, pred
+    predictor_models: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # StatsReport.to_dict()
+    plans: pd.DataFrame = field(default_factory=pd.DataFrame)
+    gradients: dict = field(default_factory=dict)  # Comparison.to_dict()
+    sweep: dict = field(default_factory=dict)
+
+
+def _png(fig: plt.Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
+    """Peak memory against step time per architecture: every strategy and batch size, the
+    planner's plans as stars."""
+    ok = summary[summary["outcome"] == "ok"]
+    models = sorted(ok["cfg_model"].unique())
+    cols = min(3, max(1, len(models)))
+    rows = math.ceil(len(models) / cols) if models else 1
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    strategies = sorted(ok["cfg_strategy"].unique())
+    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(strategies)}
+    for ax, model in zip(axes.flat, models, strict=False):
+        g = ok[ok["cfg_model"] == model]
+        for s, h in g.groupby("cfg_strategy"):
+            ax.scatter(h["step_s_median"] * 1e3, h["peak_bytes_median"] / 2**20, s=22,
+                       color=colors[s], label=s)
+            for _, r in h.iterrows():
+                ax.annotate(str(r["cfg_batch"]), (r["step_s_median"] * 1e3,
+                                                  r["peak_bytes_median"] / 2**20),
+                            fontsize=6, alpha=0.6)
+        if not plans.empty:
+            p = plans[(plans["model"] == model) & plans["step_s"].notna()]
+            if len(p):
+                ax.scatter(p["step_s"] * 1e3, p["measured_peak"] / 2**20, marker="*", s=140,
+                           color="black", label="planner")
+        ax.set_xscale("log")
+        ax.set_title(model)
+        ax.set_xlabel("step time (ms, median)")
+        ax.set_ylabel("peak memory (MiB)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(8, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return _png(fig)
+
+
+def scatter_figure(predictions: pd.DataFrame) -> str:
+    """Predicted against measured (out-of-fold) for time and memory, log-log."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, target in zip(axes, ("time", "memory"), strict=True):
+        g = predictions[predictions["target"] == target]
+        ax.scatter(g["measured"], g["predicted"], s=14, alpha=0.7)
+        if len(g):
+            lo = float(min(g["measured"].min(), g["predicted"].min()))
+            hi = float(max(g["measured"].max(), g["predicted"].max()))
+            ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        unit = "s" if target == "time" else "bytes"
+        ax.set_xlabel(f"measured {target} ({unit})")
+        ax.set_ylabel(f"predicted {target} ({unit})")
+        ax.set_title(f"{target}: out-of-fold predictions")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def gradient_figures(gradients: dict) -> list[str]:
+    """Accuracy against FLOPs and against time per model, mean over seeds per method."""
+    runs = pd.DataFrame(gradients.get("runs", []))
+    if runs.empty:
+        return []
+    models = sorted(runs["model"].unique())
+    figs = []
+    for xkey, label in (("flops", "FLOPs"), ("seconds", "wall time (s)")):
+        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes.flat, models, strict=True):
+            for method, g in runs[runs["model"] == model].groupby("method", sort=False):
+                length = min(len(a) for a in g["accuracy"])
+                acc = np.mean([a[:length] for a in g["accuracy"]], axis=0)
+                x = np.mean([v[:length] for v in g[xkey]], axis=0)
+                ax.plot(np.maximum(x, 1e-9), acc, marker=".", label=method)
+            ax.set_xscale("log")
+            ax.set_xlabel(label)
+            ax.set_ylabel("test accuracy")
+            ax.set_title(model)
+            ax.grid(alpha=0.3)
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        figs.append(_png(fig))
+    return figs
+
+
+def limitations(res: StudyResults) -> list[str]:
+    """What the data cannot say, derived from the data itself."""
+    out = []
+    vendors = set(res.summary.get("vendor", pd.Series(dtype=str)).dropna())
+    if vendors <= {"CPU"}:
+        out.append("All measurements ran on CPU: GPU allocators, kernels and the time cost of "
+                   "recomputation differ; rerun the grid with device cuda for GPU guidance.")
+    if len(vendors) < 2:
+        out.append("One device only: device effects (Kruskal-Wallis, leave-one-device-out) "
+                   "cannot be estimated.")
+    n = res.summary.get("n")
+    if n is not None and len(n) and int(n.max()) < 5:
+        out.append(f"Few repeats per configuration (at most {int(n.max())}): time medians "
+                   "carry noticeable noise.")
+    blocks = res.stats.get("blocks", 0)
+    if blocks and blocks < 12:
+        out.append(f"Only {blocks} blocks (architecture x batch cells) enter the paired "
+                   "tests: small effects can go undetected.")
+    noisy = res.stats.get("noisy cells", [])
+    if noisy:
+        out.append(f"{len(noisy)} configurations have repeat CV above 10% and are flagged.")
+    if res.gradients:
+        out.append("The gradient-estimator comparison uses small models on scikit-learn's "
+                   "digits; the paper's gap grows with model size.")
+    return out
+
+
+def _table(records: list[dict] | pd.DataFrame, columns: list[str] | None = None) -> dict:
+    df = pd.DataFrame(records)
+    if columns:
+        df = df[[c for c in columns if c in df.columns]]
+    rows = [[_fmt(v) for v in r] for r in df.itertuples(index=False)]
+    return {"columns": list(df.columns), "rows": rows}
+
+
+def _fmt(v: object) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _environment(res: StudyResults) -> dict:
+    runs = res.runs
+    if runs.empty:
+        return {}
+    first = runs.iloc[0]
+    keys = ["device_name", "vendor", "cuda_version", "rocm_version", "torch_version",
+            "cpu_model", "threads", "host", "rematlab_version"]
+    env = {k: _fmt(first.get(k)) for k in keys if k in runs.columns}
+    env["measured from"] = str(runs["timestamp"].min()) if "timestamp" in runs else ""
+    env["measured until"] = str(runs["timestamp"].max()) if "timestamp" in runs else ""
+    return env
+
+
+def _methods(res: StudyResults) -> dict:
+    runs = res.runs
+    cols = [c for c in runs.columns if c.startswith("method_")]
+    return {c.removeprefix("method_"): str(runs[c].dropna().iloc[0]) for c in cols
+            if runs[c].notna().any()}
+
+
+def context(res: StudyResults) -> dict:
+    """Everything the templates need, figures included (base64 PNG)."""
+    ours = {}
+    if not res.evaluation.empty:
+        ev = res.evaluation
+        for target in ("time", "memory"):
+            best = res.predictor_models.get(target)
+            rows = ev[(ev["target"] == target) & (ev["protocol"] == "random 80/20")]
+            if best is not None:
+                rows = rows[rows["model"] == best]
+            if len(rows):
+                ours[target] = float(rows["r2"].max())
+    figures = {"pareto": pareto_figure(res.summary, res.plans)}
+    if not res.predictions.empty:
+        figures["scatter"] = scatter_figure(res.predictions)
+    grad_figs = gradient_figures(res.gradients) if res.gradients else []
+    if grad_figs:
+        figures["accuracy_vs_flops"], figures["accuracy_vs_time"] = grad_figs
+    counts = res.summary["outcome"].value_counts().to_dict() if len(res.summary) else {}
+    return {
+        "grid": res.grid,
+        "environment": _environment(res),
+        "methods": _methods(res),
+        "counts": counts,
+        "configurations": len(res.summary),
+        "sweep": res.sweep,
+        "figures": figures,
+        "evaluation": _table(res.evaluation) if not res.evaluation.empty else None,
+        "r2": [{"target": t, "study": STUDY_R2[t], "ours": ours.get(t)} for t in STUDY_R2],
+        "predictor_models": res.predictor_models,
+        "claims": _table(res.stats.get("claims", []),
+                         ["claim", "test", "blocks", "p", "effect", "verdict"]),
+        "guidelines": _table(res.stats.get("guidelines", [])),
+        "effects": _table(res.stats.get("effects", []),
+                          ["architecture", "strategy", "blocks", "summary", "memory_p",
+                           "time_p"]),
+        "friedman": _table(res.stats.get("friedman", [])),
+        "plans": _table(res.plans) if not res.plans.empty else None,
+        "gradients": _table(res.gradients.get("table", []),
+                            ["model", "method", "seeds", "lr", "final_accuracy",
+                             "reached", "seconds_to_target", "flops_to_target",
+                             "non_param_bytes", "cosine_to_true_grad", "diverged"])
+        if res.gradients else None,
+        "verdict": [(model, fam, e["statement"]) for model, fams in
+                    res.gradients.get("verdict", {}).items() for fam, e in fams.items()]
+        if res.gradients else [],
+        "limitations": limitations(res),
+        "stats_notes": res.stats.get("notes", []),
+    }
+
+
+def render(res: StudyResults, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write `report.html` (self-contained) and `report.md` (+ figures/*.png) into out_dir."""
+    out = Path(out_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    ctx = context(res)
+    for name, data in ctx["figures"].items():
+        (out / "figures" / f"{name}.png").write_bytes(base64.b64decode(data))
+    env = Environment(loader=PackageLoader("rematlab", "templates"),
+                      autoescape=select_autoescape(["html"]))
+    html = out / "report.html"
+    html.write_text(env.get_template("report.html.j2").render(**ctx), encoding="utf-8")
+    md = out / "report.md"
+    md.write_text(env.get_template("report.md.j2").render(**ctx), encoding="utf-8")
+    return html, md

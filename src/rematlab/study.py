@@ -1,0 +1,205 @@
+"""One command reproduces the study: sweep -> predictors -> statistics -> planner
+demonstrations -> gradient-estimator comparison -> report.
+
+Every stage reports progress and stores what it produced under `out/cache/`, keyed by what
+it depends on (the dataset's content, the settings); running the study again reuses each
+stage whose inputs did not change, and the sweep itself resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from rematlab.grid import Grid, load_grid
+from rematlab.store import Store, load
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    grid: str = "quick"
+    db: Path = Path("results/quick.duckdb")
+    out: Path = Path("results/study")
+    backend: str = "local"
+    device: str | None = None
+    gradient_models: tuple[str, ...] = ("mlp5", "lenet5")
+    gradient_budgets: tuple[int, ...] = (1, 16)
+    gradient_seeds: int = 2
+    gradient_steps: int = 120
+    plan_fractions: tuple[float, ...] = (0.1, 0.5, 0.9)
+
+
+class _Cache:
+    def __init__(self, root: Path) -> None:
+        self.root = root / "cache"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, stage: str, key: str) -> dict | None:
+        path = self.root / f"{stage}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                return data["value"]
+        return None
+
+    def put(self, stage: str, key: str, value: dict) -> None:
+        (self.root / f"{stage}.json").write_text(json.dumps({"key": key, "value": value},
+                                                            default=_jsonable))
+
+
+def _jsonable(value: object) -> object:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def _fingerprint(db: Path) -> str:
+    with Store(db, read_only=True) as store:
+        ids = sorted(store.done())
+    return hashlib.sha256("".join(ids).encode()).hexdigest()[:16]
+
+
+def run_study(settings: StudySettings, say: Say = print,
+              sweep_runner: Callable[[Grid, Path], object] | None = None) -> tuple[Path, Path]:
+    """The whole study; returns the paths of report.html and report.md."""
+    from rematlab.report import StudyResults, render
+
+    grid = load_grid(settings.grid)
+    if settings.device:
+        grid = grid.model_copy(update={"devices": [settings.device]})
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    cache = _Cache(out)
+
+    say(f"[1/6] sweep: {len(grid.expand())} configurations of grid {grid.name} -> "
+        f"{settings.db}")
+    if sweep_runner is not None:
+        result = sweep_runner(grid, settings.db)
+    else:
+        from rematlab.sweep import sweep
+
+        result = sweep(grid, settings.db, backend=settings.backend)
+    if getattr(result, "interrupted", False):
+        raise KeyboardInterrupt
+    with Store(settings.db, read_only=True) as store:
+        sweeps = store.frame("sweeps")
+    completed = sweeps[sweeps["status"] == "complete"]
+    sweep_info = {}
+    if len(completed):
+        last = completed.sort_values("started_at").iloc[-1]
+        wall, measured = float(last["wall_s"] or 0), float(last["measured_s"] or 0)
+        sweep_info = {"wall_s": wall, "measured_s": measured,
+                      "harness_overhead": 1 - measured / wall if wall else 0.0}
+    summary, runs = load(settings.db, "config_summary"), load(settings.db)
+    key = _fingerprint(settings.db)
+
+    say("[2/6] predictors: features, evaluation, fit")
+    pred = cache.get("predict", key)
+    if pred is None:
+        pred = _predict_stage(summary, out)
+        cache.put("predict", key, pred)
+
+    say("[3/6] statistics and guidelines")
+    stats = cache.get("stats", key)
+    if stats is None:
+        from rematlab.stats import analyze
+
+        stats = analyze(summary, runs).to_dict()
+        cache.put("stats", key, stats)
+
+    say("[4/6] planner demonstrations")
+    plan_key = f"{key}|{settings.plan_fractions}|{grid.devices[0]}"
+    plans = cache.get("plans", plan_key)
+    if plans is None:
+        plans = {"rows": _plan_stage(grid, settings, out, say)}
+        cache.put("plans", plan_key, plans)
+
+    say("[5/6] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
+    grad_key = json.dumps([settings.gradient_models, settings.gradient_budgets,
+                           settings.gradient_seeds, settings.gradient_steps])
+    grads = cache.get("gradients", grad_key)
+    if grads is None:
+        from rematlab.gradients import compare
+
+        grads = compare(list(settings.gradient_models), list(settings.gradient_budgets),
+                        settings.gradient_seeds, steps=settings.gradient_steps,
+                        progress=lambda m: say(f"      {m}")).to_dict()
+        cache.put("gradients", grad_key, grads)
+
+    say("[6/6] report")
+    res = StudyResults(
+        grid=grid.name, summary=summary, runs=runs,
+        evaluation=pd.DataFrame(pred["evaluation"]),
+        predictions=pd.DataFrame(pred["predictions"]),
+        predictor_models=pred["models"], stats=stats, plans=pd.DataFrame(plans["rows"]),
+        gradients=grads, sweep=sweep_info)
+    return render(res, out)
+
+
+def _predict_stage(summary: pd.DataFrame, out: Path) -> dict:
+    from rematlab.predict import Predictor, dataset, evaluate
+
+    data = dataset(summary)
+    evaluation = evaluate(data)
+    predictor = Predictor().fit(data)
+    predictor.save(out / "predictor.skops")
+    predictions = [{"target": t, "measured": float(m), "predicted": float(p)}
+                   for t in ("time", "memory")
+                   for m, p in zip(data[t], predictor.oof_[t], strict=True)]
+    return {"evaluation": evaluation.to_dict(orient="records"), "predictions": predictions,
+            "models": dict(predictor.names_)}
+
+
+def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> list[dict]:
+    """For each zoo model of the grid at its largest batch: plans at a few budgets between
+    the floor and the unconstrained peak, verified, then measured as a training step."""
+    from rematlab import zoo
+    from rematlab.measure import Spec, measure
+    from rematlab.plan import none_plan, simulate
+    from rematlab.planner import choose, profile
+    from rematlab.solver import solve
+
+    device = torch.device(grid.devices[0])
+    rows = []
+    (out / "plans").mkdir(exist_ok=True)
+    seen = set()
+    for spec in grid.expand():
+        if spec.model not in zoo.REGISTRY or (spec.model, spec.input) in seen:
+            continue
+        seen.add((spec.model, spec.input))
+        batch = max(s.batch for s in grid.expand() if s.model == spec.model
+                    and s.input == spec.input)
+        net, shape, _ = zoo.resolve(spec.model, spec.input)
+        net = net.to(device).train()
+        x = torch.randn(batch, *shape, device=device)
+        costs = profile(list(net), x, spec.optimizer)
+        solution = solve(costs)
+        full, full_time = simulate(none_plan(costs.n), costs)
+        for frac in settings.plan_fractions:
+            budget = int(solution.min_peak + frac * (full - solution.min_peak))
+            chosen = choose(list(net), x, costs, budget)
+            path = out / "plans" / f"{spec.model}-{spec.input}-b{batch}-{frac:g}.json"
+            path.write_text(chosen.to_json())
+            obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,
+                               strategy=f"plan:{path}", device=str(device), repeats=3,
+                               optimizer=spec.optimizer))
+            say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: "
+                f"{chosen.describe()}")
+            rows.append({"model": spec.model, "input": spec.input, "batch": batch,
+                         "budget": budget, "floor": solution.min_peak, "plan": chosen.describe(),
+                         "predicted_peak": chosen.predicted_peak,
+                         "measured_peak": obs.peak if obs.outcome == "ok" else None,
+                         "within_budget": bool(obs.peak is not None and obs.peak <= budget),
+                         "predicted_overhead": chosen.predicted_time / full_time - 1.0,
+                         "step_s": obs.median() if obs.outcome == "ok" else None})
+    return rows

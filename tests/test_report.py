@@ -1,0 +1,90 @@
+import re
+from html.parser import HTMLParser
+
+import pandas as pd
+
+from rematlab.gradients import summarize, train, verdict
+from rematlab.report import StudyResults, render
+from rematlab.stats import Settings, analyze
+from tests import synthetic
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids, self.hrefs, self.srcs, self.h2 = set(), [], [], []
+        self._in_h2 = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag == "a" and "href" in a:
+            self.hrefs.append(a["href"])
+        if tag == "img":
+            self.srcs.append(a.get("src", ""))
+        self._in_h2 = tag == "h2"
+
+    def handle_data(self, data):
+        if self._in_h2:
+            self.h2.append(data.strip())
+            self._in_h2 = False
+
+
+def _results() -> StudyResults:
+    summary = synthetic.summary({"mlp3": (1.0, 1.1), "vgg16": (0.7, 1.2)})
+    runs = synthetic.runs(summary)
+    runs["method_time"] = "perf_counter"
+    runs["method_peak"] = "dispatch_live_storages"
+    runs["torch_version"] = "2.13.0"
+    runs["timestamp"] = "2026-11-30T00:00:00"
+    stats = analyze(summary, runs, settings=Settings(bootstrap=200)).to_dict()
+    evaluation = pd.DataFrame([{"target": t, "model": "gbr", "protocol": "random 80/20",
+                                "r2": 0.99, "mape": 0.01, "p90_ape": 0.02, "n": 10}
+                               for t in ("time", "memory")])
+    predictions = pd.DataFrame([{"target": t, "measured": v, "predicted": v * 1.01}
+                                for t in ("time", "memory") for v in (1.0, 2.0, 3.0)])
+    plans = pd.DataFrame([{"model": "vgg16", "batch": 64, "budget": 1e8, "plan": "0 [1-1]{1}",
+                           "predicted_peak": 9e7, "measured_peak": 9e7, "within_budget": True,
+                           "predicted_overhead": 0.1, "step_s": 0.5}])
+    grad_runs = [train("mlp3", m, steps=10, eval_every=5, lr=lr)
+                 for m, lr in (("bp", 0.05), ("bp+ckpt", 0.05), ("zo:1", 1e-3))]
+    table = summarize(grad_runs)
+    gradients = {"table": table, "verdict": verdict(table),
+                 "runs": [r.to_dict() for r in grad_runs]}
+    return StudyResults(grid="synthetic", summary=summary, runs=runs, evaluation=evaluation,
+                        predictions=predictions, predictor_models={"time": "gbr",
+                                                                   "memory": "analytic"},
+                        stats=stats, plans=plans, gradients=gradients,
+                        sweep={"wall_s": 10.0, "measured_s": 4.0, "harness_overhead": 0.6})
+
+
+def test_report_has_every_section_and_embeds_every_figure(tmp_path):
+    html, md = render(_results(), tmp_path)
+    text = html.read_text()
+    parser = _Links()
+    parser.feed(text)
+    for section in ("setup", "pareto", "prediction", "statistics", "plans", "gradients",
+                    "limitations"):
+        assert section in parser.ids, section
+    assert len(parser.srcs) == 4  # pareto, scatter, accuracy vs FLOPs, accuracy vs time
+    assert all(src.startswith("data:image/png;base64,") and len(src) > 1000
+               for src in parser.srcs)
+    assert all(h[1:] in parser.ids for h in parser.hrefs if h.startswith("#"))
+    assert not [h for h in parser.hrefs if not h.startswith("#")]  # opens offline
+    assert "0.8594" in text and "0.833" in text  # the study's R² beside ours
+    assert "confirmed" in text and "BP+checkpointing" in text
+    assert "All measurements ran on CPU" in text
+    mdtext = md.read_text()
+    for fig in re.findall(r"\((figures/[a-z_]+\.png)\)", mdtext):
+        assert (tmp_path / fig).exists(), fig
+    assert "## Limitations" in mdtext
+
+
+def test_report_renders_with_missing_stages(tmp_path):
+    summary = synthetic.summary({"mlp3": (1.0, 1.1)}, batches=(16, 32))
+    res = StudyResults(grid="g", summary=summary, runs=synthetic.runs(summary))
+    html, _ = render(res, tmp_path)
+    text = html.read_text()
+    assert "The gradient comparison did not run" in text
+    assert text.count("data:image/png;base64,") == 1

@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pytest
+
+from rematlab import study as study_mod
+from rematlab.study import StudySettings, run_study
+
+GRID = """
+name = "tiny"
+batches = [4, 8]
+strategies = ["none", "uniform:2", "sqrt"]
+repeats = 2
+[[models]]
+name = "mlp3"
+[[models]]
+name = "lenet5"
+"""
+
+
+def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
+    grid = tmp_path / "tiny.toml"
+    grid.write_text(GRID)
+    settings = StudySettings(grid=str(grid), db=tmp_path / "r.duckdb", out=tmp_path / "out",
+                             gradient_models=("mlp3",), gradient_budgets=(1,),
+                             gradient_seeds=1, gradient_steps=10, plan_fractions=(0.5,))
+    said: list[str] = []
+    html, md = run_study(settings, say=said.append)
+    assert html.exists() and md.exists() and (tmp_path / "out" / "predictor.skops").exists()
+    assert [s[:5] for s in said if s.startswith("[")] == [f"[{i}/6]" for i in range(1, 7)]
+    text = html.read_text()
+    assert text.count("data:image/png;base64,") == 4
+    assert "mlp3" in text and "lenet5" in text
+
+    import rematlab.gradients
+    import rematlab.predict
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a cached stage ran again")
+
+    monkeypatch.setattr(rematlab.gradients, "compare", fail)
+    monkeypatch.setattr(rematlab.predict, "evaluate", fail)
+    monkeypatch.setattr(study_mod, "_plan_stage", fail)
+    run_study(settings, say=said.append)
+
+
+def test_study_cli_rejects_a_bad_grid_with_exit_status_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "study", "--grid", "nope",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: grid file 'nope' not found")
+
+
+@pytest.mark.parametrize("args", [["gradients", "--budgets", "a,b"],
+                                  ["gradients", "--models", "resnet", "--budgets", "1",
+                                   "--seeds", "1", "--steps", "1"],
+                                  ["predict", "--predictor", "missing.skops", "--model", "mlp3"]])
+def test_other_commands_fail_cleanly(args):
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+    assert "Traceback" not in proc.stderr
