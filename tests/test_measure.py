@@ -144,7 +144,7 @@ def test_cuda_request_without_cuda_is_a_config_error():
 def test_nested_recomputation_flops_count_each_recomputed_forward(tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rematlab.plan import Plan, Segment
+    from rematlab.plans import Plan, Segment
 
     plan = Plan(7, (Segment(0, 4, (Segment(0, 2, (0, 1)), 2, 3)), 4, 5, 6))
     path = tmp_path / "nested.json"

@@ -5,7 +5,7 @@ from torch import nn
 import rematlab
 from rematlab import zoo
 from rematlab.exceptions import ConfigError
-from rematlab.plan import Plan, Segment
+from rematlab.plans import Plan, Segment
 from rematlab.strategies import RematChain, parse
 
 STRATEGIES = ["uniform:2", "uniform:3", "every:2", "selective", "sqrt", "nested"]

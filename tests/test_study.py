@@ -33,13 +33,13 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
     assert "mlp3" in text and "lenet5" in text
 
     import rematlab.gradients
-    import rematlab.predict
+    import rematlab.predictor
 
     def fail(*args, **kwargs):
         raise AssertionError("a cached stage ran again")
 
     monkeypatch.setattr(rematlab.gradients, "compare", fail)
-    monkeypatch.setattr(rematlab.predict, "evaluate", fail)
+    monkeypatch.setattr(rematlab.predictor, "evaluate", fail)
     monkeypatch.setattr(study_mod, "_plan_stage", fail)
     run_study(settings, say=said.append)
 

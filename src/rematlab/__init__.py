@@ -7,19 +7,37 @@ dataset, `predict` step time and peak memory.
 
 __version__ = "0.1.0"
 
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
-from rematlab.measure import Observation, Spec, measure
-from rematlab.plan import Plan
-from rematlab.strategies import apply, parse
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError  # noqa: E402
+from rematlab.measure import Observation, Spec, measure  # noqa: E402
+from rematlab.planner import auto, plan  # noqa: E402
+from rematlab.plans import Plan  # noqa: E402
+from rematlab.store import load  # noqa: E402
+from rematlab.strategies import apply, parse  # noqa: E402
+
+
+
+def __getattr__(name: str):
+    """`predict` and `Predictor` load scikit-learn: imported on first use only."""
+    if name in ("predict", "Predictor"):
+        from rematlab import predictor as _predictor_module
+
+        return getattr(_predictor_module, name)
+    raise AttributeError(f"module 'rematlab' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",
     "InfeasibleBudgetError",
     "Observation",
     "Plan",
+    "Predictor",
     "RematlabError",
     "Spec",
     "apply",
+    "auto",
+    "load",
     "measure",
     "parse",
+    "plan",
+    "predict",
 ]

@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab.plan import ChainCosts
+from rematlab.plans import ChainCosts
 from rematlab.probes import LiveTensorTracker, clock_for, storage_key
 
 

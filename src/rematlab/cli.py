@@ -336,7 +336,7 @@ def fit(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Fit and evaluate the time and memory predictors; print the evaluation table."""
-    from rematlab.predict import Predictor, dataset, evaluate
+    from rematlab.predictor import Predictor, dataset, evaluate
     from rematlab.store import load
 
     data = dataset(load(db, "config_summary"))
@@ -375,7 +375,7 @@ def predict_cmd(
 ) -> None:
     """Predict step time and peak memory of a configuration without running it."""
     from rematlab.measure import Spec
-    from rematlab.predict import predict
+    from rematlab.predictor import predict
 
     spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
                 input_shape=_shape(input_shape), device=device, dtype=dtype,

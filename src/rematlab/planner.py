@@ -18,7 +18,7 @@ from torch import nn
 
 from rematlab.chain import find_chain, preserved, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, parse_bytes
-from rematlab.plan import ChainCosts, Plan, simulate
+from rematlab.plans import ChainCosts, Plan, simulate
 from rematlab.probes import LiveTensorTracker
 from rematlab.solver import Solution, solve
 from rematlab.strategies import RematChain
@@ -113,7 +113,7 @@ def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
 def compare(costs: ChainCosts, budget: int | None = None) -> list[dict]:
     """Simulated peak and time of the fixed strategies (and the best uniform count that fits
     `budget`) on one chain: the rows of `rematlab plan`'s comparison table."""
-    from rematlab.plan import none_plan, selective_plan, sqrt_plan, uniform_plan
+    from rematlab.plans import none_plan, selective_plan, sqrt_plan, uniform_plan
 
     n = costs.n
     rows = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rematlab.exceptions import InfeasibleBudgetError
-from rematlab.plan import ChainCosts, Item, Plan, Segment, ck_forward_mem, need
+from rematlab.plans import ChainCosts, Item, Plan, Segment, ck_forward_mem, need
 
 _INF = float("inf")
 

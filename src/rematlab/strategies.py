@@ -26,9 +26,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab import plan as plans
+from rematlab import plans
 from rematlab.exceptions import ConfigError
-from rematlab.plan import ChainCosts, Item, Plan, Segment
+from rematlab.plans import ChainCosts, Item, Plan, Segment
 
 _PATTERN = re.compile(r"^(none|sqrt|selective|uniform|every|plan)(?::(.+))?$")
 NAMES = ("none", "uniform:N", "every:K", "selective[:T]", "sqrt", "plan:FILE.json")

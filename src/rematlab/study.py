@@ -147,7 +147,7 @@ def run_study(settings: StudySettings, say: Say = print,
 
 
 def _predict_stage(summary: pd.DataFrame, out: Path) -> dict:
-    from rematlab.predict import Predictor, dataset, evaluate
+    from rematlab.predictor import Predictor, dataset, evaluate
 
     data = dataset(summary)
     evaluation = evaluate(data)
@@ -165,7 +165,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     the floor and the unconstrained peak, verified, then measured as a training step."""
     from rematlab import zoo
     from rematlab.measure import Spec, measure
-    from rematlab.plan import none_plan, simulate
+    from rematlab.plans import none_plan, simulate
     from rematlab.planner import choose, profile
     from rematlab.solver import solve
 

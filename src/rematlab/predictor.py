@@ -2,7 +2,7 @@
 
 Features come from shape propagation on the meta device (no compute, no memory): the chain's
 per-block costs (`profile_chain` on meta), the strategy's plan over them, and the plan's
-simulated peak — the analytic memory model of `rematlab.plan`, itself a predictor. Learned
+simulated peak — the analytic memory model of `rematlab.plans`, itself a predictor. Learned
 models sit on top, as scikit-learn pipelines saved with skops (never pickle):
 
 - `sgd`, `rf`: the original study's baselines (SGDRegressor, RandomForestRegressor) on the
@@ -82,7 +82,7 @@ def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: 
 
 def features(spec: Spec, device_name: str | None = None, threads: int | None = None) -> dict:
     """Analytic and configuration features of one configuration (meta device, < 1 s)."""
-    from rematlab.plan import Segment, simulate
+    from rematlab.plans import Segment, simulate
 
     spec = spec.validate()
     costs, kinds, input_bytes = _costs(spec.model, spec.input, spec.input_shape, spec.batch,
