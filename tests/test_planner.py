@@ -8,8 +8,8 @@ import rematlab
 from rematlab import zoo
 from rematlab.chain import find_chain, profile_chain
 from rematlab.exceptions import InfeasibleBudgetError
-from rematlab.plans import Plan, none_plan, simulate
 from rematlab.planner import AutoRemat, auto, measure_peak, plan, profile
+from rematlab.plans import Plan, none_plan, simulate
 from rematlab.solver import solve
 from tests import userzoo
 

@@ -7,13 +7,12 @@ dataset, `predict` step time and peak memory.
 
 __version__ = "0.1.0"
 
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError  # noqa: E402
-from rematlab.measure import Observation, Spec, measure  # noqa: E402
-from rematlab.planner import auto, plan  # noqa: E402
-from rematlab.plans import Plan  # noqa: E402
-from rematlab.store import load  # noqa: E402
-from rematlab.strategies import apply, parse  # noqa: E402
-
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
+from rematlab.measure import Observation, Spec, measure
+from rematlab.planner import auto, plan
+from rematlab.plans import Plan
+from rematlab.store import load
+from rematlab.strategies import apply, parse
 
 
 def __getattr__(name: str):

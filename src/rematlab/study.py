@@ -165,8 +165,8 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     the floor and the unconstrained peak, verified, then measured as a training step."""
     from rematlab import zoo
     from rematlab.measure import Spec, measure
-    from rematlab.plans import none_plan, simulate
     from rematlab.planner import choose, profile
+    from rematlab.plans import none_plan, simulate
     from rematlab.solver import solve
 
     device = torch.device(grid.devices[0])
