@@ -1,0 +1,146 @@
+"""The planner against every baseline, side by side in one run, on this machine's CPU.
+
+    .venv/bin/python benchmarks/planner.py [--quick] [--out docs/benchmarks/planner.md]
+
+For each zoo model and budgets between the smallest feasible peak and the unconstrained one:
+the plan's measured peak (must not exceed the budget) and step time, against the fastest
+uniform segment count whose *measured* peak fits, sqrt, selective, and — for VGG-16 — torch.compile
+with `activation_memory_budget`, the fraction searched from 1.0 down until the measured peak
+fits (peaks of compiled code from VmHWM, see compiled_peak.py). Also the brute-force check:
+on chains of at most 8 blocks, the plan's simulated time against the best plan found by
+enumerating every plan (`tests/test_solver.all_plans`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rematlab import Spec, measure, zoo
+from rematlab.exceptions import format_bytes
+from rematlab.planner import choose, profile
+from rematlab.plans import Plan, none_plan, simulate
+from rematlab.solver import solve
+
+CASES = [("mlp3", None, 2048), ("mlp5", None, 2048), ("mlp7", None, 2048),
+         ("lenet5", None, 1024), ("alexnet", "cifar", 256), ("vgg16", "cifar", 256)]
+FRACTIONS = [0.0, 0.33, 0.67]
+COMPILE_FRACTIONS = [1.0, 0.7, 0.5, 0.3, 0.1, 0.0]
+
+
+def _measure(model: str, scale: str | None, batch: int, strategy: str, repeats: int):
+    obs = measure(Spec(model=model, input=scale, batch=batch, strategy=strategy,
+                       repeats=repeats))
+    return obs.peak, obs.median()
+
+
+def _compiled(model: str, scale: str, batch: int, budget: int) -> dict | None:
+    for frac in COMPILE_FRACTIONS:
+        out = subprocess.run([sys.executable, str(Path(__file__).with_name("compiled_peak.py")),
+                              "--model", model, "--input", scale, "--batch", str(batch),
+                              "--compile", "--fraction", str(frac)], capture_output=True,
+                             text=True, timeout=1800)
+        if out.returncode != 0:
+            return {"error": out.stderr.strip().splitlines()[-1][:200]}
+        data = json.loads(out.stdout.strip().splitlines()[-1])
+        if data["vmhwm_peak_bytes"] <= budget:
+            return data
+    return None
+
+
+def _brute_force_gap(n_max: int = 8) -> list[str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.test_solver import all_plans
+
+    lines = []
+    for name, scale, batch in CASES[:4]:
+        net, shape, _ = zoo.resolve(name, scale)
+        if len(net) > n_max:
+            continue
+        costs = profile(list(net), torch.randn(batch, *shape), "momentum")
+        solution = solve(costs)
+        full = simulate(none_plan(costs.n), costs)[0]
+        cands = [simulate(Plan(costs.n, items), costs) for items in all_plans(0, costs.n)]
+        for frac in FRACTIONS:
+            budget = int(solution.min_peak + frac * (full - solution.min_peak))
+            best = min(t for p, t in cands if p <= budget)
+            got = solution.plan_for(budget).predicted_time
+            lines.append(f"| {name} | {frac:.2f} | {len(cands)} | {got / best - 1:+.2%} |")
+    return lines
+
+
+def run(quick: bool) -> str:
+    repeats = 3 if quick else 5
+    lines = ["| model | batch | budget | floor | plan | plan peak | plan time / none | "
+             "best uniform (fits) | sqrt | selective | torch.compile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cross = []
+    tmp = Path(tempfile.mkdtemp())
+    for name, scale, batch in CASES:
+        net, shape, _ = zoo.resolve(name, scale)
+        x = torch.randn(batch, *shape)
+        costs = profile(list(net), x, "momentum")
+        solution = solve(costs)
+        full = simulate(none_plan(costs.n), costs)[0]
+        none_peak, none_time = _measure(name, scale, batch, "none", repeats)
+        baselines = {s: _measure(name, scale, batch, s, repeats)
+                     for s in [f"uniform:{k}" for k in range(2, len(net) + 1)]
+                     + ["sqrt", "selective"]}
+        for frac in FRACTIONS:
+            budget = int(solution.min_peak + frac * (full - solution.min_peak))
+            chosen = choose(list(net), x, costs, budget)
+            path = tmp / f"{name}-{frac}.json"
+            path.write_text(chosen.to_json())
+            peak, step = _measure(name, scale, batch, f"plan:{path}", repeats)
+            fitting = {s: v for s, v in baselines.items() if s.startswith("uniform")
+                       and v[0] <= budget}
+            best_u = min(fitting.items(), key=lambda kv: kv[1][1]) if fitting else None
+
+            def cell(v, b=budget):
+                return (f"{v[1] / none_time:.3f}x" if v[0] <= b
+                        else f"does not fit ({v[0] / none_peak:.2f}x peak)")
+
+            comp = "—"
+            if name == "vgg16" and not quick:
+                data = _compiled(name, scale, batch, budget)
+                comp = ("no fraction fits" if data is None else
+                        data.get("error") or f"{data['step_s'] / none_time:.3f}x "
+                        f"(fraction {data['fraction']})")
+            lines.append(
+                f"| {name} | {batch} | {format_bytes(budget)} | "
+                f"{format_bytes(solution.min_peak)} | `{chosen.describe()}` | "
+                f"{format_bytes(peak)} ({peak / none_peak:.2f}x){' OVER' if peak > budget else ''}"
+                f" | {step / none_time:.3f}x | "
+                + (f"{best_u[0]}: {best_u[1][1] / none_time:.3f}x" if best_u else "none fits")
+                + f" | {cell(baselines['sqrt'])} | {cell(baselines['selective'])} | {comp} |")
+        if name == "vgg16" and not quick:
+            out = subprocess.run([sys.executable, str(Path(__file__).with_name(
+                "compiled_peak.py")), "--model", name, "--input", scale, "--batch",
+                str(batch)], capture_output=True, text=True, timeout=1800)
+            cross.append(out.stdout.strip())
+    text = "\n".join(lines)
+    text += ("\n\nEager VGG-16 peak by both methods (tracker vs VmHWM delta + persistent):\n\n"
+             + "\n".join(f"    {c}" for c in cross) if cross else "")
+    text += ("\n\nBrute force (simulated time of the DP plan vs the best enumerated plan):\n\n"
+             "| model | budget fraction | plans enumerated | gap |\n|---|---|---|---|\n"
+             + "\n".join(_brute_force_gap()))
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="docs/benchmarks/planner.md")
+    args = parser.parse_args()
+    body = run(args.quick)
+    Path(args.out).write_text("# Planner against baselines\n\nCommand: `python "
+                              + " ".join(sys.argv) + "` (CPU, 2 threads, torch "
+                              + torch.__version__ + "); times are medians relative to `none` "
+                              "measured in the same run.\n\n" + body + "\n")
+    print(body)
