@@ -29,12 +29,14 @@ def main() -> None:
     lines = ["# Predictor evaluation", "", f"Command: `python {' '.join(sys.argv)}` on "
              f"{len(data)} configurations (one row per configuration: repeats never straddle "
              "train and test).", "",
-             "| target | model | protocol | R² | MAPE | P90 APE | n |", "|---|---|---|---|---|---|---|"]
+             "| target | model | protocol | R² | MAPE | P90 APE | n |",
+             "|---|---|---|---|---|---|---|"]
     for _, r in table.iterrows():
         lines.append(f"| {r['target']} | {r['model']} | {r['protocol']} | {r['r2']:.4f} | "
                      f"{r['mape']:.2%} | {r['p90_ape']:.2%} | {r['n']} |")
     lines += ["", "Targets (best model per target and protocol):", "",
-              "| target | protocol | metric | goal | best | model | met |", "|---|---|---|---|---|---|---|"]
+              "| target | protocol | metric | goal | best | model | met |",
+              "|---|---|---|---|---|---|---|"]
     for target, protocol, metric, op, goal in TARGETS:
         rows = table[(table["target"] == target) & (table["protocol"] == protocol)]
         best = rows.loc[rows[metric].idxmax() if op == ">=" else rows[metric].idxmin()]
