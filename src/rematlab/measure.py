@@ -291,6 +291,7 @@ class _Tracked:
     def __init__(self, s: _Setup, device: torch.device, cap: int | None, count: bool) -> None:
         self.s, self.device, self.cap, self.count = s, device, cap, count
         self.phase_peaks: dict[str, int] = {}
+        self.phase_reserved: dict[str, int] = {}
         self.flops: dict[str, float] = {}
         self.saved_bytes = 0
 
@@ -304,13 +305,11 @@ class _Tracked:
             s.opt.zero_grad(set_to_none=True)
             self.tracker.track(s.persistent())
         _step(s, clock_for(self.device), self._around)
+        peak = max(self.phase_peaks.values())  # phases reset the peak: the step's is the max
         if cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            reserved = torch.cuda.max_memory_reserved(self.device)
             if self.cap is not None and peak > self.cap:
                 raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
-            return peak, reserved
-        peak = max(self.phase_peaks.values())
+            return peak, max(self.phase_reserved.values())
         return peak, peak
 
     def _around(self, phase: str):
@@ -335,7 +334,9 @@ class _Tracked:
         if self.tracker is not None:
             self.phase_peaks[phase] = self.tracker.peak
         else:
+            torch.cuda.synchronize(self.device)
             self.phase_peaks[phase] = torch.cuda.max_memory_allocated(self.device)
+            self.phase_reserved[phase] = torch.cuda.max_memory_reserved(self.device)
 
     def _count_recompute(self):
         rec = self.s.remat.recompute

@@ -185,8 +185,9 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         costs = profile(list(net), x, spec.optimizer)
         solution = solve(costs)
         full, full_time = simulate(none_plan(costs.n), costs)
-        for frac in settings.plan_fractions:
-            budget = int(solution.min_peak + frac * (full - solution.min_peak))
+        budgets = {int(solution.min_peak + f * (full - solution.min_peak)): f
+                   for f in settings.plan_fractions}  # one budget when floor == full
+        for budget, frac in budgets.items():
             chosen = choose(list(net), x, costs, budget)
             path = out / "plans" / f"{spec.model}-{spec.input}-b{batch}-{frac:g}.json"
             path.write_text(chosen.to_json())
