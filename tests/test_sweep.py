@@ -39,7 +39,7 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def test_shipped_grids_expand_as_documented():
-    assert len(load_grid("quick").expand()) == 90
+    assert len(load_grid("quick").expand()) == 120
     seed = load_grid("seed-study").expand()
     assert len(seed) >= 2064
     quick = load_grid("quick").expand()
@@ -106,15 +106,21 @@ def test_memory_cap_gives_oom_rows_and_the_sweep_goes_on(tmp_path):
     assert runs[runs["outcome"] == "oom"]["error"].str.contains("cap").all()
 
 
-def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
+def _sweep_until(tmp_path: Path, progress: str):
+    """A 24-configuration sweep in a subprocess, returned once it logged `progress`."""
     body = TINY.format(extra="").replace("batches = [4, 8]", "batches = [4, 8, 16, 32]")
     grid_path = _grid(tmp_path, body=body)
     db = tmp_path / "r.duckdb"
     proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
                              "--db", str(db)], stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
-        if line.startswith("[3/24]"):
+        if line.startswith(progress):
             break
+    return proc, grid_path, db
+
+
+def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
+    proc, grid_path, db = _sweep_until(tmp_path, "[3/24]")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     with Store(db) as store:
@@ -129,14 +135,7 @@ def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
 
 
 def test_sigint_keeps_results_and_says_how_to_resume(tmp_path):
-    body = TINY.format(extra="").replace("batches = [4, 8]", "batches = [4, 8, 16, 32]")
-    grid_path = _grid(tmp_path, body=body)
-    db = tmp_path / "r.duckdb"
-    proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
-                             "--db", str(db)], stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        if line.startswith("[2/24]"):
-            break
+    proc, grid_path, db = _sweep_until(tmp_path, "[2/24]")
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 130

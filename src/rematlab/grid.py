@@ -20,6 +20,13 @@ from rematlab.measure import DTYPES, OPTIMIZERS, Spec, parse_device
 BUILTIN = Path(__file__).parent / "grids"
 
 
+def _one_of(values: list[str], allowed: list[str], what: str) -> list[str]:
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"unknown {what} {bad[0]!r}; choose from {allowed}")
+    return values
+
+
 class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -65,10 +72,7 @@ class Grid(BaseModel):
     @field_validator("dtypes")
     @classmethod
     def _dtypes(cls, v: list[str]) -> list[str]:
-        bad = [d for d in v if d not in DTYPES]
-        if bad:
-            raise ValueError(f"unknown dtype {bad[0]!r}; choose from {sorted(DTYPES)}")
-        return v
+        return _one_of(v, sorted(DTYPES), "dtype")
 
     @field_validator("devices")
     @classmethod
@@ -80,10 +84,7 @@ class Grid(BaseModel):
     @field_validator("optimizers")
     @classmethod
     def _optimizers(cls, v: list[str]) -> list[str]:
-        bad = [o for o in v if o not in OPTIMIZERS]
-        if bad:
-            raise ValueError(f"unknown optimizer {bad[0]!r}; choose from {list(OPTIMIZERS)}")
-        return v
+        return _one_of(v, list(OPTIMIZERS), "optimizer")
 
     @field_validator("max_memory")
     @classmethod

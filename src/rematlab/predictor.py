@@ -33,6 +33,7 @@ from sklearn.metrics import r2_score
 from sklearn.model_selection import KFold
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
+from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError
@@ -70,13 +71,19 @@ def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: 
         x = torch.empty(batch, *sample, dtype=DTYPES[dtype])
     blocks = find_chain(net).blocks
     costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer)
-    kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0,
-             "leaf": sum(1 for m in net.modules() if not list(m.children()))}
+    kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0}
     for m in net.modules():
         name = type(m).__name__.lower()
         for kind in kinds:
-            if kind in name or (kind == "norm" and "batchnorm" in name):
+            if kind in name:
                 kinds[kind] += 1
+    kinds["leaf"] = sum(1 for m in net.modules() if not list(m.children()))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        net(x)
+    by_op = counter.get_flop_counts().get("Global", {})
+    total = sum(by_op.values()) or 1
+    kinds["conv_share"] = sum(v for op, v in by_op.items() if "convolution" in str(op)) / total
     return costs, kinds, x.numel() * x.element_size()
 
 
@@ -128,6 +135,8 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
         "log_input_bytes": math.log(input_bytes), "analytic_peak": float(peak),
         # roofline terms, in seconds at the device's peak rates
         "flops_s": (3.0 * fwd + rec) / peak_flops,
+        "conv_flops_s": (3.0 * fwd + rec) * kinds["conv_share"] / peak_flops,
+        "mm_flops_s": (3.0 * fwd + rec) * (1 - kinds["conv_share"]) / peak_flops,
         "bytes_s": (3.0 * (sum(costs.x) + sum(costs.saved)) * (1 + rec / fwd if fwd else 1)
                     + 4.0 * max(param_bytes, 0)) / bandwidth,
         "ops": kinds["leaf"] * (3.0 + (rec / fwd if fwd else 0.0)),
@@ -167,14 +176,16 @@ def _analytic_pipeline() -> Pipeline:
 
 
 def _roofline() -> Pipeline:
-    """time ~ a * FLOP-seconds + b * byte-seconds + c * ops + d, fitted for relative error."""
+    """time ~ a * conv FLOP-seconds + b * matmul FLOP-seconds + c * byte-seconds + d * ops + e,
+    non-negative, fitted for relative error (convolutions and matrix products reach different
+    fractions of a device's peak)."""
     from sklearn.linear_model import LinearRegression
 
     pre = ColumnTransformer([("num", "passthrough", ROOFLINE)])
     return Pipeline([("pre", pre), ("model", LinearRegression(positive=True))])
 
 
-ROOFLINE = ["flops_s", "bytes_s", "ops"]
+ROOFLINE = ["conv_flops_s", "mm_flops_s", "bytes_s", "ops"]
 
 
 @dataclass
@@ -231,11 +242,8 @@ def _metrics(y: np.ndarray, p: np.ndarray) -> dict:
 
 
 def _splits(data: pd.DataFrame, protocol: str, seed: int = 0):
-    if protocol == "random 80/20":
-        rng = np.random.default_rng(seed)
-        idx = rng.permutation(len(data))
-        cut = int(0.8 * len(data))
-        yield idx[:cut], idx[cut:]
+    if protocol == "random 80/20":  # the study's protocol, repeated over 5 disjoint folds
+        yield from KFold(n_splits=5, shuffle=True, random_state=seed).split(data)
         return
     column = {"leave one architecture out": "model", "leave one batch size out": "batch",
               "leave one device out": "device_key"}[protocol]

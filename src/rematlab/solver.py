@@ -49,15 +49,26 @@ class Solution:
         floor = self.min_peak
         if budget < floor:
             raise InfeasibleBudgetError(budget, floor)
-        level = min(self.levels, (budget - c.base) // self.unit)
         top = self.table[(1, 0, c.n)]
-        while level >= 0 and not np.isfinite(top[level]):
-            level -= 1
-        if level < 0:  # rounding: only the exact floor plan fits
-            level = int(np.flatnonzero(np.isfinite(top))[0])
-        items = self._build(1, 0, c.n, level)
-        mem, time = need(items, c.n, True, c)
-        peak = max(c.base + mem, c.optimizer_peak)
+        # Rounding makes the DP see each plan as needing up to 2n+2 units more than it does:
+        # every level up to that slack above the budget is a candidate, kept if its plan's
+        # exact peak fits. The floor plan always does.
+        level = min(self.levels, (budget - c.base) // self.unit)
+        first = int(np.flatnonzero(np.isfinite(top))[0])
+        best: tuple[float, int, tuple[Item, ...]] | None = None
+        for lvl in range(max(first, level - 1), min(self.levels, level + 2 * c.n + 2) + 1):
+            if lvl < first or not np.isfinite(top[lvl]):
+                continue
+            items = self._build(1, 0, c.n, lvl)
+            mem, time = need(items, c.n, True, c)
+            peak = max(c.base + mem, c.optimizer_peak)
+            if peak <= budget and (best is None or time < best[0]):
+                best = (time, peak, items)
+        if best is None:
+            items = self._build(1, 0, c.n, first)
+            mem, time = need(items, c.n, True, c)
+            best = (time, max(c.base + mem, c.optimizer_peak), items)
+        time, peak, items = best
         return Plan(c.n, items, name=name, predicted_peak=peak, predicted_time=time,
                     budget=budget, min_peak=floor)
 

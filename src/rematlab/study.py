@@ -31,7 +31,7 @@ class StudySettings:
     backend: str = "local"
     device: str | None = None
     gradient_models: tuple[str, ...] = ("mlp5", "lenet5")
-    gradient_budgets: tuple[int, ...] = (1, 16)
+    gradient_budgets: tuple[int, ...] = (1, 4, 16)
     gradient_seeds: int = 2
     gradient_steps: int = 120
     plan_fractions: tuple[float, ...] = (0.1, 0.5, 0.9)
