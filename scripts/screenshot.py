@@ -28,7 +28,7 @@ def main() -> int:
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
                     "--disable-background-networking", "--disable-component-update",
                     "--disable-sync", "--no-first-run", "--hide-scrollbars",
-                    "--window-size=1200,3000", f"--screenshot={out}", report.as_uri()],
+                    "--window-size=1200,9000", f"--screenshot={out}", report.as_uri()],
                    check=True, capture_output=True, timeout=120)
     print(out)
     return 0

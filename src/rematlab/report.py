@@ -120,7 +120,8 @@ def gradient_figures(gradients: dict) -> list[str]:
                 length = min(len(a) for a in g["accuracy"])
                 acc = np.mean([a[:length] for a in g["accuracy"]], axis=0)
                 x = np.mean([v[:length] for v in g[xkey]], axis=0)
-                ax.plot(np.maximum(x, 1e-9), acc, marker=".", label=method)
+                keep = x > 0  # the untrained start has no place on a log axis
+                ax.plot(x[keep], acc[keep], marker=".", label=method)
             ax.set_xscale("log")
             ax.set_xlabel(label)
             ax.set_ylabel("test accuracy")
