@@ -86,6 +86,9 @@ def test_sweep_stores_rows_and_resumes_without_duplicates(tmp_path):
     db = tmp_path / "r.duckdb"
     first = sweep(grid, db)
     assert first.outcomes["ok"] == 12 and first.skipped == 0
+    assert first.errors.empty and len(first.frame()) == 12
+    fastest = first.best("step_s_median")
+    assert fastest["step_s_median"] == first.frame()["step_s_median"].min()
     again = sweep(grid, db)
     assert again.skipped == 12 and len(again) == 0
     runs = load(db)
