@@ -59,6 +59,16 @@ def test_tracker_counts_known_allocations_exactly():
     assert t.live == 0
 
 
+def test_tracker_rounds_to_the_allocator_block_size():
+    t = LiveTensorTracker(unit=512)
+    with t:
+        a = torch.empty(3, dtype=torch.uint8)
+        b = torch.empty(513, dtype=torch.uint8)
+    assert t.live == 512 + 1024
+    del a, b
+    assert t.live == 0
+
+
 @pytest.mark.parametrize("strategy", ["none", "sqrt", "uniform:2"])
 def test_tracker_peak_matches_torch_memtracker(strategy):
     from torch.distributed._tools.mem_tracker import MemTracker

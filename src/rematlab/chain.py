@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.plans import ChainCosts
-from rematlab.probes import LiveTensorTracker, clock_for, storage_key
+from rematlab.probes import LiveTensorTracker, clock_for, rounded, storage_key
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,15 @@ def profile_chain(
     device: torch.device | None = None,
     optimizer: str | None = "sgd",
     repeats: int = 3,
+    unit: int = 1,
 ) -> ChainCosts:
-    """Per-block costs at the example input's batch size (see module docstring)."""
+    """Per-block costs at the example input's batch size (see module docstring); `unit`
+    rounds every allocation up to the allocator's block size (512 for CUDA predictions)."""
     device = device or example_input.device
     meta = device.type == "meta"
     run = [meta_copy(b) for b in blocks] if meta else blocks
     x = example_input.to(device)
-    base_input = x.element_size() * x.numel()
+    base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
         "fwd_time", "bwd_time", "fwd_flops")}
@@ -139,17 +141,18 @@ def profile_chain(
     for i, block in enumerate(run):
         x_in = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         with preserved(block):
-            r = _profile_block(block, x_in, repeats=0 if meta else repeats)
+            r = _profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
         for key, value in r.items():
             if key in fields:
                 fields[key].append(value)
         params_bytes += r["params"]
         x = r["out"]
-    fields["x"].append(x.element_size() * x.numel())
+    fields["x"].append(rounded(x.element_size() * x.numel(), unit))
     if meta:
         fields["fwd_time"] = list(fields["fwd_flops"])
         fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
-    state, transient = optimizer_memory([p for b in run for p in b.parameters()], optimizer)
+    state, transient = optimizer_memory([p for b in run for p in b.parameters()], optimizer,
+                                        unit)
     out_bytes = fields["x"][-1]
     loss_bytes = 2 * out_bytes + 8 * x.shape[0]  # log-softmax, its gradient, int64 labels
     grads = sum(fields["grad"])
@@ -183,17 +186,17 @@ def preserved(module: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
+def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1) -> dict:
     params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]}
     saved: dict[tuple[str, int], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in params:
-            saved[key] = t.untyped_storage().nbytes()
+            saved[key] = rounded(t.untyped_storage().nbytes(), unit)
         return t
 
-    tracker = LiveTensorTracker()
+    tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in])
     before = tracker.live
     flops = FlopCounterMode(display=False)
@@ -203,7 +206,7 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
     fwd_flops = flops.get_total_flops()
     kin, kout = storage_key(x_in), storage_key(out)
     nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
-    out_bytes = out.element_size() * out.numel()
+    out_bytes = rounded(out.element_size() * out.numel(), unit)
     bwd_mem = 0
     if out.requires_grad:
         # The output gradient is made inside backward (d(sum(out * 1))/d(out)) so that autograd
@@ -217,17 +220,18 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> dict:
         bwd_mem = tracker.peak - before_bwd - out_bytes
     fwd_time, bwd_time = _time_block(block, x_in, repeats) if repeats else (0.0, 0.0)
     return {
-        "x": x_in.element_size() * x_in.numel(),
+        "x": rounded(x_in.element_size() * x_in.numel(), unit),
         "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
         "keeps_input": kin in saved,
         "keeps_output": kout in saved,
         "fwd_mem": fwd_mem,
         "bwd_mem": bwd_mem,
-        "grad": sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad),
+        "grad": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()
+                    if p.requires_grad),
         "fwd_time": fwd_time,
         "bwd_time": bwd_time,
         "fwd_flops": float(fwd_flops),
-        "params": sum(p.numel() * p.element_size() for p in block.parameters()),
+        "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
         "out": nxt,
     }
 
@@ -247,7 +251,8 @@ def _time_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> tuple[flo
     return statistics.median(fwd[1:]), statistics.median(bwd[1:])
 
 
-def optimizer_memory(params: list[torch.Tensor], name: str | None) -> tuple[int, int]:
+def optimizer_memory(params: list[torch.Tensor], name: str | None, unit: int = 1
+                     ) -> tuple[int, int]:
     """Bytes of optimizer state and the transient peak of a step, measured on tensors shaped
     like `params` on their device (meta costs nothing); (0, 0) without an optimizer."""
     from rematlab.measure import make_optimizer
@@ -259,12 +264,12 @@ def optimizer_memory(params: list[torch.Tensor], name: str | None) -> tuple[int,
     for c in clones:
         c.grad = torch.zeros_like(c)
     opt = make_optimizer(name, clones)
-    tracker = LiveTensorTracker()
+    tracker = LiveTensorTracker(unit=unit)
     tracker.track([*clones, *(c.grad for c in clones)])
     with tracker:
         opt.step()
     before = tracker.live
-    state = before - sum(2 * c.numel() * c.element_size() for c in clones)
+    state = before - sum(2 * rounded(c.numel() * c.element_size(), unit) for c in clones)
     tracker.reset_peak()
     with tracker:
         opt.step()

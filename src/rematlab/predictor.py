@@ -50,6 +50,7 @@ DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (31
                 "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
                 "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
 CPU_FLOPS_PER_THREAD = 30e9
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 CPU_BANDWIDTH = 20e9
 
 
@@ -62,7 +63,7 @@ def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, f
 
 @lru_cache(maxsize=256)
 def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: int,
-           dtype: str, optimizer: str):
+           dtype: str, optimizer: str, unit: int):
     from rematlab.chain import find_chain, profile_chain
 
     with torch.device("meta"):
@@ -70,7 +71,8 @@ def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: 
         net = net.to(DTYPES[dtype])
         x = torch.empty(batch, *sample, dtype=DTYPES[dtype])
     blocks = find_chain(net).blocks
-    costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer)
+    costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer,
+                          unit=unit)
     kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0}
     for m in net.modules():
         name = type(m).__name__.lower()
@@ -92,8 +94,9 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
     from rematlab.plans import Segment, simulate
 
     spec = spec.validate()
+    unit = CUDA_BLOCK if spec.device.startswith("cuda") else 1
     costs, kinds, input_bytes = _costs(spec.model, spec.input, spec.input_shape, spec.batch,
-                                       spec.dtype, spec.optimizer)
+                                       spec.dtype, spec.optimizer, unit)
     strat = strategies.parse(spec.strategy)
     plan = strat.build(costs.n, costs)
     peak, _ = simulate(plan, costs)

@@ -76,17 +76,25 @@ def clock_for(device: torch.device) -> Clock:
     return CudaEventClock() if device.type == "cuda" else WallClock(device)
 
 
+def rounded(nbytes: int, unit: int) -> int:
+    """`nbytes` rounded up to a multiple of the allocator's block size `unit`."""
+    return -(-nbytes // unit) * unit
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Counts live tensor bytes (storage-deduplicated) and their peak while active.
 
     `cap`: raise `SimulatedOOM` as soon as live bytes exceed it (a smaller device emulated).
+    `unit`: count every storage rounded up to this block size (512 on CUDA, whose caching
+    allocator hands out 512-byte multiples), for predictions made on the meta device.
     """
 
     method = "dispatch_live_storages"
 
-    def __init__(self, cap: int | None = None) -> None:
+    def __init__(self, cap: int | None = None, unit: int = 1) -> None:
         super().__init__()
         self.cap = cap
+        self.unit = unit  # allocation granularity: 512 B models the CUDA caching allocator
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
@@ -105,7 +113,7 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         storage = t.untyped_storage()
         key = id(storage)
-        nbytes = storage.nbytes()
+        nbytes = rounded(storage.nbytes(), self.unit)
         known = self._sizes.get(key)
         if known is not None and self._refs[key]() is storage:
             if nbytes != known:  # resized in place
