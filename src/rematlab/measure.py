@@ -245,10 +245,11 @@ class _Setup:
         dtype = DTYPES[spec.dtype]
         torch.manual_seed(spec.seed)
         model, shape, _ = zoo.resolve(spec.model, spec.input, spec.input_shape)
-        self.model = model.to(device=device, dtype=dtype).train()
+        self.model = model.to(device=device, dtype=dtype).eval()
         self.data = torch.randn(spec.batch, *shape, device=device, dtype=dtype)
-        with torch.no_grad():
+        with torch.no_grad():  # eval: one sample is fine for BatchNorm, no stats updated
             classes = self.model(self.data[:1]).shape[-1]
+        self.model.train()
         self.labels = torch.randint(0, classes, (spec.batch,), device=device)
         self.remat = strategies.apply(self.model, spec.strategy, example_input=self.data)
         self.opt = make_optimizer(spec.optimizer, self.model.parameters())
