@@ -182,9 +182,13 @@ class Store:
                          "status = ? WHERE sweep_id = ?", [wall_s, measured_s, status, sweep_id])
 
     def frame(self, table: str = "runs") -> pd.DataFrame:
+        """A table as a DataFrame, in a stable order (a view's row order is otherwise
+        arbitrary, and evaluation splits depend on it)."""
         if table not in ("runs", "configs", "sweeps", "config_summary"):
             raise ConfigError(f"unknown table {table!r}")
-        return self.con.execute(f"SELECT * FROM {table}").df()
+        order = {"runs": "config_id, repeat", "configs": "config_id",
+                 "sweeps": "started_at", "config_summary": "config_id"}[table]
+        return self.con.execute(f"SELECT * FROM {table} ORDER BY {order}").df()
 
     def export(self, out: str | Path, fmt: str, table: str = "runs") -> Path:
         if fmt not in ("parquet", "csv"):
