@@ -138,3 +138,21 @@ def test_plan_json_round_trips_with_its_predictions():
     chosen = plan(model, torch.randn(8, 1, 32, 32), "64MiB", predict=True)
     again = Plan.from_json(chosen.to_json())
     assert again == chosen and again.predicted_peak is not None
+
+
+def test_fx_cuts_a_transformer_between_residual_sums():
+    model = userzoo.TinyTransformer().double()
+    x = torch.randn(4, 5, 16, dtype=torch.float64)
+    info = find_chain(model, x)
+    assert info.method == "fx" and len(info.blocks) >= 4  # 2 residual sums per layer, head
+    out = x
+    for block in info.blocks:
+        out = block(out)
+    assert torch.allclose(out, model(x))
+    y = torch.randint(0, 3, (4,))
+    F.cross_entropy(model(x), y).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(rematlab.apply(model, "every:1", blocks=info.blocks)(x), y).backward()
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert (p.grad - w).abs().max() <= 1e-12

@@ -73,3 +73,25 @@ class Untraceable(nn.Module):
         if x.sum() < -1e30:  # never true, but fx cannot know
             x = -x
         return self.c(self.b(x))
+
+
+class TinyTransformer(nn.Module):
+    """Pre-norm Transformer encoder layers on (B, T, D) inputs, mean-pooled head."""
+
+    def __init__(self, dim: int = 16, layers: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.norms1 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.attn = nn.ModuleList(nn.MultiheadAttention(dim, 2, batch_first=True)
+                                  for _ in range(layers))
+        self.norms2 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                                                nn.Linear(2 * dim, dim)) for _ in range(layers))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for n1, attn, n2, mlp in zip(self.norms1, self.attn, self.norms2, self.mlps,
+                                     strict=True):
+            h = n1(x)
+            x = x + attn(h, h, h, need_weights=False)[0]
+            x = x + mlp(n2(x))
+        return self.head(x.mean(dim=1))
