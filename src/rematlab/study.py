@@ -172,13 +172,17 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     device = torch.device(grid.devices[0])
     rows = []
     (out / "plans").mkdir(exist_ok=True)
+    specs = grid.expand()
+    largest: dict[tuple[str, str | None], int] = {}
+    for s in specs:
+        key = (s.model, s.input)
+        largest[key] = max(largest.get(key, 0), s.batch)
     seen = set()
-    for spec in grid.expand():
+    for spec in specs:
         if spec.model not in zoo.REGISTRY or (spec.model, spec.input) in seen:
             continue
         seen.add((spec.model, spec.input))
-        batch = max(s.batch for s in grid.expand() if s.model == spec.model
-                    and s.input == spec.input)
+        batch = largest[(spec.model, spec.input)]
         net, shape, _ = zoo.resolve(spec.model, spec.input)
         net = net.to(device).train()
         x = torch.randn(batch, *shape, device=device)
