@@ -1,13 +1,17 @@
 """One training-step measurement in a fresh process, for `benchmarks/planner.py`.
 
     python benchmarks/compiled_peak.py --model vgg16 --input cifar --batch 256 \
-        [--compile --fraction 0.5]
+        [--compile [--fraction 0.5]] [--plan plan.json]
 
-CPU peak of compiled code: the dispatch tracker cannot see inside `torch.compile`d graphs, so
-this reads the process high-water mark (VmHWM), reset through /proc/self/clear_refs after the
-model, data and optimizer state exist and after warm-up (compilation) — the delta is what the
-step allocates on top of the persistent tensors. For eager runs it also reports the tracker's
-figure, so the two methods are cross-checked in the same process.
+Runs eager or `torch.compile`d training steps — the model plainly, or a rematlab plan applied
+to it (`--plan`; compiled, the plan's segments become recompute regions of the graph) — and
+prints one JSON line: the median step time and the step's peak memory by two methods:
+
+- allocator: `CpuAllocatorTrace` (the c10 allocator's own events, which see inside compiled
+  code and kernel workspaces) on top of the persistent tensors — the figure of record;
+- VmHWM: the process high-water mark, reset through /proc/self/clear_refs before the step,
+  minus the RSS before it, on top of the persistent tensors — a cross-check that also sees
+  allocator caching and the interpreter, so it is noisier.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch.nn.functional as F
 
 from rematlab import zoo
 from rematlab.measure import make_optimizer
-from rematlab.probes import LiveTensorTracker
+from rematlab.plans import Plan
+from rematlab.probes import CpuAllocatorTrace
+from rematlab.strategies import RematChain
 
 
 def _status(key: str) -> int:
@@ -40,6 +46,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--fraction", type=float, default=1.0)
+    parser.add_argument("--plan", default=None)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -47,11 +54,13 @@ def main() -> None:
     x = torch.randn(args.batch, *shape)
     y = torch.randint(0, 10, (args.batch,))
     opt = make_optimizer("momentum", model.parameters())
+    net = model
+    if args.plan:
+        with open(args.plan, encoding="utf-8") as fh:
+            net = RematChain(list(model), Plan.from_json(fh.read()))
     if args.compile:
         torch._functorch.config.activation_memory_budget = args.fraction
-        fn = torch.compile(model)
-    else:
-        fn = model
+    fn = torch.compile(net) if args.compile else net
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -64,29 +73,33 @@ def main() -> None:
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
         if isinstance(t, torch.Tensor))
     opt.zero_grad(set_to_none=True)
-    deltas, times = [], []
+    hwm, allocator, times = [], [], []
     for _ in range(args.repeats):
-        with open("/proc/self/clear_refs", "w", encoding="utf-8") as fh:
-            fh.write("5")
-        before = _status("VmRSS")
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
-        deltas.append(_status("VmHWM") - before)
-    out = {"model": args.model, "batch": args.batch, "compile": args.compile,
-           "fraction": args.fraction, "persistent_bytes": persistent,
-           "vmhwm_delta_bytes": int(statistics.median(deltas)),
-           "vmhwm_peak_bytes": persistent + int(statistics.median(deltas)),
-           "step_s": statistics.median(times)}
-    if not args.compile:
-        tracker = LiveTensorTracker()
-        tracker.track([*model.parameters(), x, y, *(t for s in opt.state.values()
-                                                    for t in s.values())])
-        with tracker:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as fh:
+            fh.write("5")
+        before = _status("VmRSS")
+        step()
+        opt.zero_grad(set_to_none=True)
+        hwm.append(_status("VmHWM") - before)
+        with CpuAllocatorTrace() as trace:
             step()
-        out["tracker_peak_bytes"] = tracker.peak
-    print(json.dumps(out))
+        opt.zero_grad(set_to_none=True)
+        allocator.append(trace.peak)
+    print(json.dumps({
+        "model": args.model, "batch": args.batch, "compile": args.compile,
+        "fraction": args.fraction if args.compile else None, "plan": args.plan,
+        "persistent_bytes": persistent,
+        "allocator_peak_bytes": persistent + max(allocator),
+        "allocator_spread_bytes": max(allocator) - min(allocator),
+        "vmhwm_peak_bytes": persistent + int(statistics.median(hwm)),
+        "step_s": statistics.median(times),
+        "step_iqr_s": float(statistics.quantiles(times, n=4)[2]
+                            - statistics.quantiles(times, n=4)[0]),
+    }))
 
 
 if __name__ == "__main__":

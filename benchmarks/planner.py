@@ -4,9 +4,11 @@
 
 For each zoo model and budgets between the smallest feasible peak and the unconstrained one:
 the plan's measured peak (must not exceed the budget) and step time, against the fastest
-uniform segment count whose *measured* peak fits, sqrt, selective, and — for VGG-16 — torch.compile
-with `activation_memory_budget`, the fraction searched from 1.0 down until the measured peak
-fits (peaks of compiled code from VmHWM, see compiled_peak.py). Also the brute-force check:
+uniform segment count whose *measured* peak fits, sqrt, selective. For VGG-16 also compiled
+against compiled: torch.compile with `activation_memory_budget` (the fraction searched from 1.0
+down until the measured peak fits) against the same plan run under torch.compile, each in a
+fresh process, with an eager `none` run of the same harness as the time reference (peaks from
+the allocator's events, cross-checked with VmHWM; see compiled_peak.py). Also the brute-force check:
 on chains of at most 8 blocks, the plan's simulated time against the best plan found by
 enumerating every plan (`tests/test_solver.all_plans`).
 """
@@ -40,29 +42,31 @@ def _measure(model: str, scale: str | None, batch: int, strategy: str, repeats: 
     return obs.peak, obs.median()
 
 
-def _compiled_runs(model: str, scale: str, batch: int) -> list[dict]:
-    """One fresh process per activation_memory_budget fraction (compilation included)."""
-    runs = []
-    for frac in COMPILE_FRACTIONS:
-        out = subprocess.run([sys.executable, str(Path(__file__).with_name("compiled_peak.py")),
-                              "--model", model, "--input", scale, "--batch", str(batch),
-                              "--compile", "--fraction", str(frac)], capture_output=True,
-                             text=True, timeout=1800)
-        if out.returncode != 0:
-            runs.append({"fraction": frac, "error": out.stderr.strip().splitlines()[-1][:200]})
-        else:
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return runs
+def _fresh(model: str, scale: str, batch: int, *extra: str) -> dict:
+    """One compiled_peak.py run in a fresh process (compilation included)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("compiled_peak.py")),
+                          "--model", model, "--input", scale, "--batch", str(batch), *extra],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        return {"args": extra, "error": out.stderr.strip().splitlines()[-1][:200]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _compiled_cell(runs: list[dict], budget: int, none_time: float) -> str:
+def _compiled_cell(runs: list[dict], budget: int, ref: float) -> str:
     """The first fraction, searched from 1.0 down, whose measured peak fits the budget."""
     for r in runs:
         if "error" in r:
-            return f"error at fraction {r['fraction']}: {r['error']}"
-        if r["vmhwm_peak_bytes"] <= budget:
-            return f"{r['step_s'] / none_time:.3f}x (fraction {r['fraction']})"
+            return f"error {r['args']}: {r['error']}"
+        if r["allocator_peak_bytes"] <= budget:
+            return f"{r['step_s'] / ref:.3f}x (fraction {r['fraction']})"
     return "no fraction fits"
+
+
+def _plan_compiled_cell(r: dict, budget: int, ref: float) -> str:
+    if "error" in r:
+        return f"error: {r['error']}"
+    over = " OVER" if r["allocator_peak_bytes"] > budget else ""
+    return f"{r['step_s'] / ref:.3f}x ({format_bytes(r['allocator_peak_bytes'])}{over})"
 
 
 def _brute_force_gap(n_max: int = 8) -> list[str]:
@@ -89,11 +93,11 @@ def _brute_force_gap(n_max: int = 8) -> list[str]:
 def run(quick: bool) -> str:
     repeats = 3 if quick else 5
     lines = ["| model | batch | budget | floor | plan | plan peak | plan time / none | "
-             "best uniform (fits) | sqrt | selective | torch.compile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    cross = []
+             "best uniform (fits) | sqrt | selective |", "|---" * 10 + "|"]
+    compiled_lines = ["| budget | plan | torch.compile + activation_memory_budget | "
+                      "plan + torch.compile |", "|---|---|---|---|"]
     tmp = Path(tempfile.mkdtemp())
-    compiled: list[dict] = []
+    runs: list[dict] = []
     for name, scale, batch in CASES:
         net, shape, _ = zoo.resolve(name, scale)
         x = torch.randn(batch, *shape)
@@ -104,6 +108,12 @@ def run(quick: bool) -> str:
         baselines = {s: _measure(name, scale, batch, s, repeats)
                      for s in [f"uniform:{k}" for k in range(2, len(net) + 1)]
                      + ["sqrt", "selective"]}
+        compiled = name == "vgg16" and not quick
+        if compiled:
+            eager = _fresh(name, scale, batch)
+            fractions = [_fresh(name, scale, batch, "--compile", "--fraction", str(f))
+                         for f in COMPILE_FRACTIONS]
+            runs += [eager, *fractions]
         for frac in FRACTIONS:
             budget = int(solution.min_peak + frac * (full - solution.min_peak))
             chosen = choose(list(net), x, costs, budget)
@@ -118,28 +128,29 @@ def run(quick: bool) -> str:
                 return (f"{v[1] / t0:.3f}x" if v[0] <= b
                         else f"does not fit ({v[0] / p0:.2f}x peak)")
 
-            comp = "—"
-            if name == "vgg16" and not quick:
-                compiled = compiled or _compiled_runs(name, scale, batch)
-                comp = _compiled_cell(compiled, budget, none_time)
             lines.append(
                 f"| {name} | {batch} | {format_bytes(budget)} | "
                 f"{format_bytes(solution.min_peak)} | `{chosen.describe()}` | "
                 f"{format_bytes(peak)} ({peak / none_peak:.2f}x){' OVER' if peak > budget else ''}"
                 f" | {step / none_time:.3f}x | "
                 + (f"{best_u[0]}: {best_u[1][1] / none_time:.3f}x" if best_u else "none fits")
-                + f" | {cell(baselines['sqrt'])} | {cell(baselines['selective'])} | {comp} |")
-        if name == "vgg16" and not quick:
-            out = subprocess.run([sys.executable, str(Path(__file__).with_name(
-                "compiled_peak.py")), "--model", name, "--input", scale, "--batch",
-                str(batch)], capture_output=True, text=True, timeout=1800)
-            cross.append(out.stdout.strip())
+                + f" | {cell(baselines['sqrt'])} | {cell(baselines['selective'])} |")
+            if compiled:
+                mine = _fresh(name, scale, batch, "--compile", "--plan", str(path))
+                runs.append(mine)
+                ref = eager["step_s"]
+                compiled_lines.append(
+                    f"| {format_bytes(budget)} | `{chosen.describe()}` | "
+                    f"{_compiled_cell(fractions, budget, ref)} | "
+                    f"{_plan_compiled_cell(mine, budget, ref)} |")
     text = "\n".join(lines)
-    if compiled:
-        text += ("\n\ntorch.compile runs (VmHWM peak = persistent tensors + step delta):\n\n"
-                 + "\n".join(f"    {json.dumps(r)}" for r in compiled))
-    text += ("\n\nEager VGG-16 peak by both methods (tracker vs VmHWM delta + persistent):\n\n"
-             + "\n".join(f"    {c}" for c in cross) if cross else "")
+    if runs:
+        text += ("\n\nVGG-16 (CIFAR, batch 256) compiled against compiled; times relative to "
+                 "eager `none` in the same fresh-process harness:\n\n"
+                 + "\n".join(compiled_lines)
+                 + "\n\nThe fresh-process runs (peaks: allocator events and VmHWM, each on top "
+                 "of the persistent tensors):\n\n"
+                 + "\n".join(f"    {json.dumps(r)}" for r in runs))
     text += ("\n\nBrute force (simulated time of the DP plan vs the best enumerated plan):\n\n"
              "| model | budget fraction | plans enumerated | gap |\n|---|---|---|---|\n"
              + "\n".join(_brute_force_gap()))

@@ -10,7 +10,9 @@ told which way was taken.
 
 Costs. `profile_chain` runs every block once forward and backward with the live-tensor tracker:
 input/output bytes, saved bytes (parameters excluded), the transient peaks of forward and
-backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. On the
+backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. On CPU the
+transient peaks are also read from the allocator (`CpuAllocatorTrace`), which sees the scratch
+buffers kernels allocate inside an op; the larger figure is kept. On the
 `meta` device nothing is computed and times are replaced by FLOPs: a prediction, not a
 measurement, which is how the planner works before it has touched the hardware.
 """
@@ -31,7 +33,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.plans import ChainCosts
-from rematlab.probes import LiveTensorTracker, clock_for, rounded, storage_key
+from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, clock_for, rounded, storage_key
 
 
 @dataclass(frozen=True)
@@ -198,26 +200,35 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
 
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in])
-    before = tracker.live
     flops = FlopCounterMode(display=False)
-    with tracker, flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x_in)
-    fwd_mem = tracker.peak - before
-    fwd_flops = flops.get_total_flops()
-    kin, kout = storage_key(x_in), storage_key(out)
-    nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
-    out_bytes = rounded(out.element_size() * out.numel(), unit)
+    allocator = CpuAllocatorTrace() if x_in.device.type == "cpu" else None
+    phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
-    if out.requires_grad:
-        # The output gradient is made inside backward (d(sum(out * 1))/d(out)) so that autograd
-        # frees it once consumed, as in a real step; `bwd_mem` is the peak above that gradient.
-        loss = (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
-        del out  # autograd alone decides when the output dies, as in a real step
-        before_bwd = tracker.live
-        tracker.reset_peak()
-        with tracker:
-            loss.backward()
-        bwd_mem = tracker.peak - before_bwd - out_bytes
+    with allocator or contextlib.nullcontext():
+        before = tracker.live
+        with phase("forward"), tracker, flops, torch.autograd.graph.saved_tensors_hooks(
+                pack, lambda t: t):
+            out = block(x_in)
+        fwd_mem = tracker.peak - before
+        fwd_flops = flops.get_total_flops()
+        kin, kout = storage_key(x_in), storage_key(out)
+        nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
+        out_bytes = rounded(out.element_size() * out.numel(), unit)
+        if out.requires_grad:
+            # The output gradient is made inside backward (d(sum(out * 1))/d(out)) so that
+            # autograd frees it once consumed, as in a real step; `bwd_mem` is the peak above
+            # that gradient.
+            loss = (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+            del out  # autograd alone decides when the output dies, as in a real step
+            before_bwd = tracker.live
+            tracker.reset_peak()
+            with phase("backward"), tracker:
+                loss.backward()
+            bwd_mem = tracker.peak - before_bwd - out_bytes
+    if allocator is not None:  # kernel workspaces: only the allocator sees them
+        fwd_mem = max(fwd_mem, allocator.phases["forward"].transient)
+        if "backward" in allocator.phases:
+            bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
     fwd_time, bwd_time = _time_block(block, x_in, repeats) if repeats else (0.0, 0.0)
     return {
         "x": rounded(x_in.element_size() * x_in.numel(), unit),

@@ -5,8 +5,9 @@ optimizer step, on synthetic data. After `warmup` steps (at least 2: optimizer s
 the first), each of `repeats` rounds runs one *timed* step and one *tracked* step:
 
 - timed: device-synchronised clock around each phase (CUDA events on GPU), nothing else on;
-- tracked: peak memory of the whole step (CUDA: allocator peak after a reset; CPU: the
-  live-tensor tracker of `rematlab.probes`), per phase.
+- tracked: peak memory of the whole step (CUDA: allocator peak after a reset; CPU: the larger
+  of the live-tensor tracker and the allocator's events, which add the scratch memory kernels
+  allocate inside an op — see `rematlab.probes`), per phase.
 
 Doing both in one step would let the CPU tracker's per-op bookkeeping inflate the times. The
 first warm-up step is tracked too (a `max_memory` cap stops the run there); the second counts
@@ -34,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, SimulatedOOM
-from rematlab.probes import Clock, LiveTensorTracker, clock_for, storage_key
+from rematlab.probes import Clock, CpuAllocatorTrace, LiveTensorTracker, clock_for, storage_key
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -299,17 +300,23 @@ class _Tracked:
     def run(self) -> tuple[int, int]:
         s, cuda = self.s, self.device.type == "cuda"
         self.tracker = None if cuda else LiveTensorTracker(self.cap)
+        self.allocator = None if cuda else CpuAllocatorTrace()
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            _step(s, clock_for(self.device), self._around)
         else:
             s.opt.zero_grad(set_to_none=True)
             self.tracker.track(s.persistent())
-        _step(s, clock_for(self.device), self._around)
+            base = self.tracker.live
+            with self.allocator:  # one trace for the step: frees of older blocks are unseen
+                _step(s, clock_for(self.device), self._around)
+            for phase, span in self.allocator.phases.items():
+                self.phase_peaks[phase] = max(self.phase_peaks[phase], base + span.peak)
         peak = max(self.phase_peaks.values())  # phases reset the peak: the step's is the max
+        if self.cap is not None and peak > self.cap:
+            raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
         if cuda:
-            if self.cap is not None and peak > self.cap:
-                raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
             return peak, max(self.phase_reserved.values())
         return peak, peak
 
@@ -318,6 +325,7 @@ class _Tracked:
         stack.callback(self._record, phase)
         if self.tracker is not None:
             self.tracker.reset_peak()
+            stack.enter_context(self.allocator.phase(phase))
             stack.enter_context(self.tracker)
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -405,7 +413,8 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
                 f"of {spec.repeats} repeats after {spec.warmup} warm-up steps, each repeat the "
                 f"mean of enough steps to last {MIN_REPEAT_SECONDS:g} s (steps_per_repeat)",
         "peak": "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
-                if device.type == "cuda" else LiveTensorTracker.method,
+                if device.type == "cuda" else
+                f"max({LiveTensorTracker.method}, {CpuAllocatorTrace.method})",
         "flops": "torch.utils.flop_counter.FlopCounterMode, second warm-up step",
         "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
                  "buffers and the input batch excluded",

@@ -19,7 +19,7 @@ from torch import nn
 from rematlab.chain import find_chain, preserved, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, parse_bytes
 from rematlab.plans import ChainCosts, Plan, simulate
-from rematlab.probes import LiveTensorTracker
+from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker
 from rematlab.solver import Solution, solve
 from rematlab.strategies import RematChain
 
@@ -100,12 +100,13 @@ def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
             torch.cuda.reset_peak_memory_stats(x.device)
             F.cross_entropy(remat(x), labels).backward()
             peak = torch.cuda.max_memory_allocated(x.device)
-        else:
+        else:  # tensors, and the allocator for what kernels allocate inside an op
             tracker = LiveTensorTracker()
             tracker.track([*remat.parameters(), *remat.buffers(), x, labels, state])
-            with tracker:
+            base = tracker.live
+            with CpuAllocatorTrace() as allocator, tracker:
                 F.cross_entropy(remat(x), labels).backward()
-            peak = tracker.peak
+            peak = max(tracker.peak, base + allocator.peak)
     del state
     return max(peak, costs.optimizer_peak)
 

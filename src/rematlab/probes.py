@@ -8,18 +8,27 @@ torch keeps alive exactly as long as the storage). Tensors that existed before t
 (parameters, optimizer state, the batch) are registered explicitly with `track`. It sees ops
 that autograd runs in backward and in recomputation; it cannot see inside compiled kernels.
 
+Tensors are not all the memory a step needs: kernels allocate scratch buffers inside an op
+(oneDNN's convolution backward reorders whole activations) and compiled code allocates without
+dispatching. `CpuAllocatorTrace` counts what the c10 CPU allocator hands out, through the
+profiler's memory events; CPU peaks of record are the larger of the two counts.
+
 CUDA (NVIDIA and ROCm): `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`,
 which counts every allocation through the caching allocator, compiled code included.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -142,6 +151,68 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._register(t)
         return out
+
+
+@dataclass(frozen=True)
+class Span:
+    """Allocator bytes above the trace's entry level: at a phase's start and at its peak."""
+
+    start: int
+    peak: int
+
+    @property
+    def transient(self) -> int:
+        return self.peak - self.start
+
+
+class CpuAllocatorTrace:
+    """What the c10 CPU allocator hands out while active: the peak above the level at entry,
+    and per named phase (`with trace.phase("backward"): ...`).
+
+    With the profiler's `profile_memory`, the allocator reports every allocation and free;
+    the running sum of those events, in time order, is the CPU counterpart of CUDA's
+    `max_memory_allocated`: it includes kernel workspaces and what compiled code allocates.
+    The allocator only knows the sizes of blocks allocated while profiling, so the frees of
+    older tensors go unseen: open one trace around the whole region (a step, a block's forward
+    and backward) and read its phases, rather than one trace per phase.
+    """
+
+    method = "c10_cpu_allocator_events"
+    _PREFIX = "rematlab::phase::"
+
+    def __init__(self) -> None:
+        # kineto prints a line per profiler start and stop on stderr unless told not to
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.peak = 0
+        self.phases: dict[str, Span] = {}
+
+    def __enter__(self) -> CpuAllocatorTrace:
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        memory = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(events)
+                        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+        ranges = [(e.name()[len(self._PREFIX):], e.start_ns(), e.end_ns()) for e in events
+                  if e.name().startswith(self._PREFIX)]
+        level, levels = 0, []
+        for ns, _, nbytes in memory:
+            level += nbytes
+            levels.append((ns, level))
+        self.peak = max([0, *(lv for _, lv in levels)])
+        for name, begin, end in ranges:
+            before = [lv for ns, lv in levels if ns < begin]
+            start = before[-1] if before else 0
+            inside = [lv for ns, lv in levels if begin <= ns <= end]
+            self.phases[name] = Span(start, max([start, *inside]))
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with record_function(self._PREFIX + name):
+            yield
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:

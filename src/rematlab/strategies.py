@@ -172,11 +172,19 @@ class RematChain(nn.Module):
             elif torch.is_grad_enabled():
                 for hook in self.hooks:
                     hook(x)  # the segment's input stays alive for backward
-                x = checkpoint(self._segment_fn(item), x, use_reentrant=False,
-                               context_fn=self._contexts(item))
+                x = self._checkpoint(item, x)
             else:
                 x = self._run(item.inner, x)
         return x
+
+    def _checkpoint(self, seg: Segment, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Under torch.compile the segment becomes a tagged recompute region of the graph:
+            # the partitioner recomputes it in backward, and functionalisation makes BatchNorm's
+            # running-stat updates happen once, in forward. Dynamo rejects custom context_fn.
+            return checkpoint(self._segment_fn(seg), x, use_reentrant=False)
+        return checkpoint(self._segment_fn(seg), x, use_reentrant=False,
+                          context_fn=self._contexts(seg))
 
     def _segment_fn(self, seg: Segment) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: self._run(seg.inner, x)
