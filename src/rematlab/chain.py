@@ -10,9 +10,12 @@ told which way was taken.
 
 Costs. `profile_chain` runs every block once forward and backward with the live-tensor tracker:
 input/output bytes, saved bytes (parameters excluded), the transient peaks of forward and
-backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. On CPU the
-transient peaks are also read from the allocator (`CpuAllocatorTrace`), which sees the scratch
-buffers kernels allocate inside an op; the larger figure is kept. On the
+backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. There the
+transient peaks are also read from the allocator (`probes.allocator_trace`), which sees the
+scratch buffers kernels allocate inside an op; the larger figure is kept. With `compile`, each
+block also runs under `torch.compile` and its memory and times are replaced by what the
+compiled block saves, allocates and takes (inductor fuses kernels and saves different tensors;
+only the allocator and saved-tensor hooks see inside compiled code). On the
 `meta` device nothing is computed and times are replaced by FLOPs: a prediction, not a
 measurement, which is how the planner works before it has touched the hardware.
 """
@@ -32,8 +35,15 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.exceptions import ConfigError
 from rematlab.plans import ChainCosts
-from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, clock_for, rounded, storage_key
+from rematlab.probes import (
+    LiveTensorTracker,
+    allocator_trace,
+    clock_for,
+    rounded,
+    storage_key,
+)
 
 
 @dataclass(frozen=True)
@@ -128,11 +138,14 @@ def profile_chain(
     optimizer: str | None = "sgd",
     repeats: int = 3,
     unit: int = 1,
+    compile: bool = False,
 ) -> ChainCosts:
     """Per-block costs at the example input's batch size (see module docstring); `unit`
     rounds every allocation up to the allocator's block size (512 for CUDA predictions)."""
     device = device or example_input.device
     meta = device.type == "meta"
+    if meta and compile:
+        raise ConfigError("compiled costs must be measured: they cannot be predicted on meta")
     run = [meta_copy(b) for b in blocks] if meta else blocks
     x = example_input.to(device)
     base_input = rounded(x.element_size() * x.numel(), unit)
@@ -144,6 +157,9 @@ def profile_chain(
         x_in = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         with preserved(block):
             r = _profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
+        if compile:
+            with preserved(block), compiling():
+                r.update(_compiled_costs(block, x_in, repeats, unit))
         for key, value in r.items():
             if key in fields:
                 fields[key].append(value)
@@ -201,7 +217,7 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in])
     flops = FlopCounterMode(display=False)
-    allocator = CpuAllocatorTrace() if x_in.device.type == "cpu" else None
+    allocator = None if x_in.device.type == "meta" else allocator_trace(x_in.device)
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
     with allocator or contextlib.nullcontext():
@@ -244,6 +260,62 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
         "fwd_flops": float(fwd_flops),
         "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
         "out": nxt,
+    }
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Lift dynamo's per-code-object recompile limit while planning compiles many blocks and
+    plans: they share code objects (`Sequential.forward`, `RematChain.forward`), and past the
+    limit (8) dynamo silently runs eager, which would be profiled as if compiled."""
+    with torch._dynamo.config.patch(recompile_limit=100_000,
+                                    accumulated_recompile_limit=100_000):
+        yield
+
+
+def compiled(module: nn.Module) -> nn.Module:
+    """`torch.compile` with static shapes: a plan is made for one input shape."""
+    return torch.compile(module, dynamic=False)
+
+
+def _compiled_costs(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int) -> dict:
+    """Saved bytes, transient peaks and times of `block` under `torch.compile`."""
+    fn = compiled(block)
+    for _ in range(2):  # compile forward and backward outside the measurement
+        out = fn(x_in)
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+    del out
+    for p in block.parameters():
+        p.grad = None
+    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]}
+    saved: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if storage_key(t) not in params:
+            saved[storage_key(t)] = rounded(t.untyped_storage().nbytes(), unit)
+        return t
+
+    with allocator_trace(x_in.device) as trace:
+        with trace.phase("forward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(x_in)
+        kin, kout = storage_key(x_in), storage_key(out)
+        out_bytes = rounded(out.element_size() * out.numel(), unit)
+        if out.requires_grad:
+            loss = (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+            del out
+            with trace.phase("backward"):
+                loss.backward()
+    fwd_time, bwd_time = _time_block(fn, x_in, repeats) if repeats else (0.0, 0.0)
+    backward = trace.phases.get("backward")
+    return {
+        "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
+        "keeps_input": kin in saved,
+        "keeps_output": kout in saved,
+        "fwd_mem": trace.phases["forward"].transient,
+        "bwd_mem": backward.transient - out_bytes if backward else 0,
+        "fwd_time": fwd_time,
+        "bwd_time": bwd_time,
     }
 
 

@@ -130,6 +130,8 @@ def plan_cmd(
     device: str = "cpu",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
     predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="plan for torch.compile(apply(model, plan)): compiled costs")] = False,
     out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
@@ -143,6 +145,8 @@ def plan_cmd(
 
     if batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch}")
+    if compile and predict:
+        raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
     limit = parse_bytes(budget)
     dev = parse_device(device)
     net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
@@ -150,8 +154,8 @@ def plan_cmd(
     x = torch.randn(batch, *shape, device=dev)
     opt = None if optimizer == "none" else optimizer
     blocks = find_chain(net, x).blocks
-    costs = profile(blocks, x, opt, predict=predict)
-    chosen = choose(blocks, x, costs, limit, verify=not predict)
+    costs = profile(blocks, x, opt, predict=predict, compile=compile)
+    chosen = choose(blocks, x, costs, limit, verify=not predict, compile=compile)
     rows = compare(costs, limit)
     none_time = rows[0]["time"]
     summary = {"plan": chosen.describe(), "budget": limit, "predicted_peak": chosen.predicted_peak,
@@ -181,6 +185,8 @@ def plan_cmd(
     console.print(table)
     if out is not None:
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
+    if compile:
+        console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
 
 
 

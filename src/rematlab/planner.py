@@ -10,16 +10,17 @@ overshoot and picks again: the budget is honoured on measurement, not only in th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rematlab.chain import find_chain, preserved, profile_chain
+from rematlab.chain import compiled, compiling, find_chain, preserved, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, parse_bytes
 from rematlab.plans import ChainCosts, Plan, simulate
-from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker
+from rematlab.probes import LiveTensorTracker, allocator_trace
 from rematlab.solver import Solution, solve
 from rematlab.strategies import RematChain
 
@@ -36,77 +37,99 @@ def plan(
     blocks: list[nn.Module] | None = None,
     predict: bool = False,
     verify: bool = True,
+    compile: bool = False,
 ) -> Plan:
     """The fastest plan whose whole-step peak fits `budget` (bytes or '6GiB').
 
     `optimizer` (sgd, momentum, adam or None) adds its state and step to the peak. `predict`
     plans from meta-device costs (FLOPs stand in for time) without running the model.
+    `compile` plans for running the plan under `torch.compile` (`torch.compile(apply(model,
+    plan))`): blocks are profiled compiled and the peak is verified on the compiled step.
     Raises `InfeasibleBudgetError` carrying the smallest achievable peak.
     """
     chain = blocks if blocks is not None else find_chain(model, example_inputs).blocks
     dev = torch.device(device) if device is not None else example_inputs.device
     x = example_inputs.to(dev)
-    costs = profile(chain, x, optimizer, predict=predict)
-    return choose(chain, x, costs, parse_bytes(budget), verify=verify and not predict)
+    costs = profile(chain, x, optimizer, predict=predict, compile=compile)
+    return choose(chain, x, costs, parse_bytes(budget), verify=verify and not predict,
+                  compile=compile)
 
 
 def choose(chain: list[nn.Module], x: torch.Tensor, costs: ChainCosts, limit: int,
-           verify: bool = True) -> Plan:
+           verify: bool = True, compile: bool = False) -> Plan:
     """Solve over `costs` and pick the fastest plan under `limit`, checked by measurement
-    on `x`'s device when `verify`."""
+    on `x`'s device when `verify` (compiled when `compile`)."""
     solution = solve(costs)
-    chosen = solution.plan_for(limit)
+    chosen = replace(solution.plan_for(limit), compiled=compile)
     if not verify:
         return chosen
     return _verified(chain, x, solution, chosen, limit, costs)
 
 
 def profile(chain: list[nn.Module], x: torch.Tensor, optimizer: str | None,
-            predict: bool = False) -> ChainCosts:
+            predict: bool = False, compile: bool = False) -> ChainCosts:
     device = torch.device("meta") if predict else x.device
     return profile_chain(chain, x, device=device, optimizer=optimizer, repeats=1 if
-                         x.device.type == "cpu" else 3)
+                         x.device.type == "cpu" else 3, compile=compile)
 
 
 def _verified(chain: list[nn.Module], x: torch.Tensor, solution: Solution, chosen: Plan,
               limit: int, costs: ChainCosts) -> Plan:
-    target = limit
+    """Measure the chosen plan. Over the limit: tighten the target by the overshoot and pick
+    again. Under it by a margin the model did not predict (compiled graphs save less than
+    their blocks compiled alone): loosen the target by that margin and try the faster plan
+    it allows. The fastest plan measured within the limit wins."""
+    target, best = limit, None
+    seen: set[str] = set()
     for _ in range(_MAX_CORRECTIONS):
+        seen.add(chosen.describe())
         measured = measure_peak(chain, chosen, x, costs)
         if measured <= limit:
-            return replace(chosen, budget=limit, measured_peak=measured)
-        target -= measured - limit
+            if best is None or (chosen.predicted_time or 0) < (best.predicted_time or 0):
+                best = replace(chosen, budget=limit, measured_peak=measured)
+            target += (chosen.predicted_peak or measured) - measured
+        else:
+            target -= measured - limit
         try:
-            chosen = solution.plan_for(target)
+            chosen = replace(solution.plan_for(target), compiled=chosen.compiled)
         except InfeasibleBudgetError:
             break
-    floor_plan = solution.plan_for(solution.min_peak)
+        if chosen.describe() in seen or (best is not None and (chosen.predicted_time or 0)
+                                         >= (best.predicted_time or 0)):
+            break
+    if best is not None:
+        return best
+    floor_plan = replace(solution.plan_for(solution.min_peak), compiled=chosen.compiled)
     raise InfeasibleBudgetError(limit, max(solution.min_peak,
                                            measure_peak(chain, floor_plan, x, costs)))
 
 
 def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
                  costs: ChainCosts) -> int:
-    """Measured peak of a training step under `chosen`: forward, loss and backward with the
-    optimizer state's bytes allocated, then the optimizer step's peak from `costs` (which was
-    measured on tensors shaped like the parameters). Parameters, buffers and RNG are restored."""
+    """Measured peak of a training step under `chosen` (compiled if `chosen.compiled`):
+    forward, loss and backward with the optimizer state's bytes allocated, then the optimizer
+    step's peak from `costs` (which was measured on tensors shaped like the parameters).
+    Parameters, buffers and RNG are restored."""
     remat = RematChain(chain, chosen)
+    run = compiled(remat) if chosen.compiled else remat
     state = torch.empty(costs.state, dtype=torch.uint8, device=x.device)
-    with preserved(remat):
+    with preserved(remat), compiling():
         classes = max(1, costs.x[-1] // (x.shape[0] * x.element_size()))  # (B, classes) out
         labels = torch.randint(0, classes, (x.shape[0],), device=x.device)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-            torch.cuda.reset_peak_memory_stats(x.device)
-            F.cross_entropy(remat(x), labels).backward()
-            peak = torch.cuda.max_memory_allocated(x.device)
-        else:  # tensors, and the allocator for what kernels allocate inside an op
-            tracker = LiveTensorTracker()
-            tracker.track([*remat.parameters(), *remat.buffers(), x, labels, state])
-            base = tracker.live
-            with CpuAllocatorTrace() as allocator, tracker:
-                F.cross_entropy(remat(x), labels).backward()
-            peak = max(tracker.peak, base + allocator.peak)
+        if chosen.compiled:  # compile forward and backward outside the measurement
+            F.cross_entropy(run(x), labels).backward()
+            for p in remat.parameters():
+                p.grad = None
+        # tensors (eager only: the tracker cannot see inside compiled code), and the allocator
+        # for what kernels and compiled code allocate
+        tracker = LiveTensorTracker()
+        tracker.track([*remat.parameters(), *remat.buffers(), x, labels, state])
+        base = tracker.live
+        counting = contextlib.nullcontext() if chosen.compiled or x.device.type != "cpu" \
+            else tracker
+        with allocator_trace(x.device) as allocator, counting:
+            F.cross_entropy(run(x), labels).backward()
+        peak = max(tracker.peak, base + allocator.peak)
     del state
     return max(peak, costs.optimizer_peak)
 

@@ -91,6 +91,7 @@ class Plan:
     budget: int | None = None
     min_peak: int | None = None
     measured_peak: int | None = None
+    compiled: bool = False  # costs and peak are for running it under torch.compile
 
     def __post_init__(self) -> None:
         validate_items(self.items, 0, self.n_blocks)
@@ -115,6 +116,7 @@ class Plan:
                 "budget": self.budget,
                 "min_peak": self.min_peak,
                 "measured_peak": self.measured_peak,
+                "compiled": self.compiled,
             },
             indent=2,
         )
@@ -133,6 +135,7 @@ class Plan:
                 budget=data.get("budget"),
                 min_peak=data.get("min_peak"),
                 measured_peak=data.get("measured_peak"),
+                compiled=bool(data.get("compiled", False)),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ConfigError(f"not a rematlab plan: {exc}") from None

@@ -215,6 +215,47 @@ class CpuAllocatorTrace:
             yield
 
 
+class CudaAllocatorTrace:
+    """`CpuAllocatorTrace`'s interface over the CUDA caching allocator's peak statistics."""
+
+    method = "torch.cuda.max_memory_allocated"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self.phases: dict[str, Span] = {}
+        self._base = 0
+
+    def _level(self, stat: str) -> int:
+        torch.cuda.synchronize(self.device)
+        return getattr(torch.cuda, stat)(self.device) - self._base
+
+    def __enter__(self) -> CudaAllocatorTrace:
+        self._base = self._level("memory_allocated")
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = max(self.peak, self._level("max_memory_allocated"))
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.peak = max(self.peak, self._level("max_memory_allocated"))
+        start = self._level("memory_allocated")
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            top = self._level("max_memory_allocated")
+            self.phases[name] = Span(start, top)
+            self.peak = max(self.peak, top)
+
+
+def allocator_trace(device: torch.device) -> CpuAllocatorTrace | CudaAllocatorTrace:
+    """The allocator-level probe for `device` (CPU or CUDA)."""
+    return CudaAllocatorTrace(device) if device.type == "cuda" else CpuAllocatorTrace()
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage (device and data pointer; meta tensors by object id)."""
     if t.device.type == "meta":
