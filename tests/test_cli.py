@@ -68,3 +68,12 @@ def test_infeasible_plan_is_one_line_with_the_floor():
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1
     assert "is infeasible: the smallest peak for this model and batch is" in proc.stderr
+
+
+def test_compile_with_predict_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "plan", "--model", "mlp3",
+                           "--budget", "1GiB", "--compile", "--predict"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: --compile needs measured costs")
+    assert proc.stderr.count("\n") == 1

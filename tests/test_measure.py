@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from rematlab import Spec, apply, measure, zoo
 from rematlab.exceptions import ConfigError
 from rematlab.measure import make_optimizer
-from rematlab.probes import LiveTensorTracker
+from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, Span
 
 
 class FakeClock:
@@ -170,3 +170,26 @@ def test_nested_recomputation_flops_count_each_recomputed_forward(tmp_path):
         per_block.append(counter.get_total_flops())
     # the outer segment is recomputed once; inside it, the inner segment once more
     assert obs.figures["recompute_flops"] == sum(per_block[0:4]) + sum(per_block[0:2])
+
+
+def test_allocator_trace_counts_every_allocation_and_free_per_phase():
+    with CpuAllocatorTrace() as trace:
+        with trace.phase("one"):
+            a = torch.empty(1000, 1000)  # 4 MB, kept
+            b = torch.empty(500, 1000)  # 2 MB, freed inside the phase
+            del b
+        with trace.phase("two"):
+            c = torch.empty(2000, 1000)  # 8 MB on top of a
+            del c, a
+    assert trace.phases["one"] == Span(start=0, peak=6_000_000)
+    assert trace.phases["two"] == Span(start=4_000_000, peak=12_000_000)
+    assert trace.peak == 12_000_000
+
+
+def test_allocator_trace_sees_inside_compiled_code():
+    fn = torch.compile(lambda t: (t * 2).sin() + 1)
+    x = torch.randn(1000, 1000)
+    fn(x)
+    with CpuAllocatorTrace() as trace:
+        out = fn(x)
+    assert trace.peak >= out.numel() * out.element_size()

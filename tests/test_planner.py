@@ -160,3 +160,22 @@ def test_fx_cuts_a_transformer_between_residual_sums():
     F.cross_entropy(rematlab.apply(model, "every:1", blocks=info.blocks)(x), y).backward()
     for p, w in zip(model.parameters(), want, strict=True):
         assert (p.grad - w).abs().max() <= 1e-12
+
+
+def test_plan_for_torch_compile_honours_the_budget_on_the_compiled_step(tmp_path):
+    model, shape, _ = zoo.resolve("lenet5", None)
+    x = torch.randn(256, *shape)
+    chain = list(model)
+    costs = profile(chain, x, "momentum", compile=True)
+    solution = solve(costs)
+    full = simulate(none_plan(costs.n), costs)[0]
+    budget = int(solution.min_peak + 0.3 * (full - solution.min_peak))
+    chosen = plan(model, x, budget, compile=True)
+    assert chosen.compiled and chosen.measured_peak <= budget
+    assert measure_peak(chain, chosen, x, costs) == chosen.measured_peak  # the compiled step
+    path = tmp_path / "plan.json"
+    path.write_text(chosen.to_json())
+    assert Plan.from_json(path.read_text()).compiled
+    remat = torch.compile(rematlab.apply(model, chosen))
+    F.cross_entropy(remat(x), torch.randint(0, 10, (256,))).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -6,6 +6,10 @@ picks the fastest plan whose simulated step peak fits the budget. On a real devi
 *measures* the plan's forward+backward peak (optimizer state allocated, parameters and
 buffers left untouched) and, if the measurement exceeds the budget, tightens the budget by the
 overshoot and picks again: the budget is honoured on measurement, not only in the model.
+
+With `compile=True` the plan is made for `torch.compile(apply(model, plan))`: blocks are
+profiled compiled and the plan is verified on the compiled step, whose fused kernels and
+partitioner make a different trade-off than eager execution (see docs/design.md).
 """
 
 from __future__ import annotations
