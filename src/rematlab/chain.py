@@ -27,7 +27,7 @@ import copy
 import itertools
 import statistics
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -204,7 +204,9 @@ def preserved(module: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1) -> dict:
+def _saved_recorder(block: nn.Module, unit: int) -> tuple[dict, Callable]:
+    """A saved-tensor pack hook that records the storages saved for backward, parameters and
+    buffers excluded, and the dict it fills (storage key -> bytes)."""
     params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]}
     saved: dict[tuple[str, int], int] = {}
 
@@ -214,6 +216,11 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
             saved[key] = rounded(t.untyped_storage().nbytes(), unit)
         return t
 
+    return saved, pack
+
+
+def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1) -> dict:
+    saved, pack = _saved_recorder(block, unit)
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in])
     flops = FlopCounterMode(display=False)
@@ -288,14 +295,7 @@ def _compiled_costs(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: in
     del out
     for p in block.parameters():
         p.grad = None
-    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]}
-    saved: dict[tuple[str, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if storage_key(t) not in params:
-            saved[storage_key(t)] = rounded(t.untyped_storage().nbytes(), unit)
-        return t
-
+    saved, pack = _saved_recorder(block, unit)
     with allocator_trace(x_in.device) as trace:
         with trace.phase("forward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn(x_in)
