@@ -219,6 +219,12 @@ def _saved_recorder(block: nn.Module, unit: int) -> tuple[dict, Callable]:
     return saved, pack
 
 
+def _unit_loss(out: torch.Tensor) -> torch.Tensor:
+    """sum(out * 1): its backward makes the output gradient inside autograd, which frees it
+    once consumed, as in a real step (a gradient passed in from outside would stay alive)."""
+    return (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+
+
 def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1) -> dict:
     saved, pack = _saved_recorder(block, unit)
     tracker = LiveTensorTracker(unit=unit)
@@ -238,10 +244,7 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
         nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
         out_bytes = rounded(out.element_size() * out.numel(), unit)
         if out.requires_grad:
-            # The output gradient is made inside backward (d(sum(out * 1))/d(out)) so that
-            # autograd frees it once consumed, as in a real step; `bwd_mem` is the peak above
-            # that gradient.
-            loss = (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+            loss = _unit_loss(out)  # `bwd_mem` is the peak above the output gradient
             del out  # autograd alone decides when the output dies, as in a real step
             before_bwd = tracker.live
             tracker.reset_peak()
@@ -302,7 +305,7 @@ def _compiled_costs(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: in
         kin, kout = storage_key(x_in), storage_key(out)
         out_bytes = rounded(out.element_size() * out.numel(), unit)
         if out.requires_grad:
-            loss = (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+            loss = _unit_loss(out)
             del out
             with trace.phase("backward"):
                 loss.backward()
