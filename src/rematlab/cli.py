@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rematlab.exceptions import ConfigError, RematlabError, format_bytes, parse_bytes
+from rematlab.files import refuse_overwriting_inputs, write_bytes, write_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure, model and optimize activation rematerialization in PyTorch.")
@@ -163,7 +164,7 @@ def plan_cmd(
                "predicted_overhead": chosen.predicted_time / none_time - 1.0,
                "baselines": rows, "plan_json": json.loads(chosen.to_json())}
     if out is not None:
-        out.write_text(chosen.to_json())
+        write_text(out, chosen.to_json())
     if as_json:
         _print_json(summary)
         return
@@ -309,10 +310,12 @@ def stats_cmd(
     from rematlab.stats import analyze
     from rematlab.store import load
 
+    if markdown is not None:
+        refuse_overwriting_inputs(markdown, [db])
     report = analyze(load(db, "config_summary"), load(db, "runs"),
                      memory_cap=parse_bytes(memory_cap) if memory_cap else None)
     if markdown is not None:
-        markdown.write_text(report.to_markdown())
+        write_text(markdown, report.to_markdown())
     if as_json:
         _print_json(report.to_dict())
         return
@@ -345,6 +348,7 @@ def fit(
     from rematlab.predictor import Predictor, dataset, evaluate
     from rematlab.store import load
 
+    refuse_overwriting_inputs(out, [db])
     data = dataset(load(db, "config_summary"))
     table = evaluate(data)
     predictor = Predictor().fit(data)
@@ -451,10 +455,10 @@ def _write_gradient_outputs(out: Path, data: dict) -> None:
     from rematlab.report import gradient_figures
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gradients.json").write_text(json.dumps(data, indent=2, default=_jsonable))
+    write_text(out / "gradients.json", json.dumps(data, indent=2, default=_jsonable))
     for name, png in zip(("accuracy_vs_flops", "accuracy_vs_time"), gradient_figures(data),
                          strict=False):
-        (out / f"{name}.png").write_bytes(base64.b64decode(png))
+        write_bytes(out / f"{name}.png", base64.b64decode(png))
 
 
 @app.command()

@@ -6,6 +6,8 @@ minimum feasible peak as an attribute.
 
 from __future__ import annotations
 
+import math
+
 
 class RematlabError(Exception):
     """Base class of every error rematlab raises on purpose."""
@@ -51,15 +53,15 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 def parse_bytes(value: str | int | float) -> int:
     """'6GiB', '512MiB', '1.5GB' or a number of bytes -> int bytes."""
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ConfigError(f"memory size {value} must be positive")
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"memory size {value} must be a positive, finite number")
         return int(value)
     text = value.strip().lower().replace(" ", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(num):]
     try:
         out = int(float(num) * _UNITS[unit])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         raise ConfigError(
             f"memory size {value!r} is not a number with a unit such as 512MiB or 6GiB"
         ) from None

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError
+from rematlab.files import write_atomic
 from rematlab.measure import DTYPES, Spec
 
 CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
@@ -52,6 +53,13 @@ DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (31
 CPU_FLOPS_PER_THREAD = 30e9
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 CPU_BANDWIDTH = 20e9
+# The types beyond skops' defaults that a fitted predictor holds: the tree structures of the
+# boosting and random-forest models. An exact list, never a prefix: a prefix such as "numpy."
+# admits functions that run code when a crafted file names them.
+SAVED_TYPES = frozenset({
+    "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
+    "sklearn.tree._tree.Tree",
+})
 
 
 def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, float]:
@@ -333,25 +341,38 @@ class Predictor:
         return pd.DataFrame(out, index=X.index)
 
     def save(self, path: str | Path) -> None:
+        """Write the fitted models with skops, atomically (the old file survives a kill)."""
         import skops.io as sio
 
-        sio.dump({"names": self.names_, "fitted": self.fitted_,
-                  "half_width": self.half_width_, "coverage": self.coverage}, str(path))
+        state = {"names": self.names_, "fitted": self.fitted_,
+                 "half_width": self.half_width_, "coverage": self.coverage}
+        write_atomic(path, lambda tmp: sio.dump(state, str(tmp)))
 
     @classmethod
     def load(cls, path: str | Path) -> Predictor:
+        """Load a file written by `save`. Only the exact types `fit` writes are trusted
+        (`SAVED_TYPES`); a file naming any other type is refused before anything in it is
+        constructed, because skops calls the types a file names while loading."""
         import skops.io as sio
 
         p = Path(path)
-        if not p.exists():
+        if not p.is_file():
             raise ConfigError(f"predictor file {p} not found")
-        untrusted = sio.get_untrusted_types(file=str(p))
-        unsafe = [t for t in untrusted if not t.startswith(("sklearn.", "numpy.", "scipy."))]
+        try:
+            untrusted = sio.get_untrusted_types(file=str(p))
+        except Exception as exc:  # zip, JSON and schema errors of a damaged file
+            raise ConfigError(f"predictor file {p} is not a rematlab predictor "
+                              f"({type(exc).__name__})") from None
+        unsafe = sorted(set(untrusted) - SAVED_TYPES)
         if unsafe:
             raise ConfigError(f"predictor file {p} holds types we do not load: {unsafe}")
-        state = sio.load(str(p), trusted=untrusted)
-        return cls(coverage=state["coverage"], names_=state["names"],
-                   fitted_=state["fitted"], half_width_=state["half_width"])
+        try:
+            state = sio.load(str(p), trusted=list(untrusted))
+            return cls(coverage=float(state["coverage"]), names_=dict(state["names"]),
+                       fitted_=dict(state["fitted"]), half_width_=dict(state["half_width"]))
+        except Exception as exc:  # a well-formed skops file of another structure
+            raise ConfigError(f"predictor file {p} is not a rematlab predictor "
+                              f"({type(exc).__name__})") from None
 
 
 def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | None = None

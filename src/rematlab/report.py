@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from rematlab.files import write_bytes, write_text
+
 STUDY_R2 = {"time": 0.8594, "memory": 0.8330}  # the original study, random 80/20 split
 
 
@@ -253,11 +255,11 @@ def render(res: StudyResults, out_dir: str | Path) -> tuple[Path, Path]:
     (out / "figures").mkdir(parents=True, exist_ok=True)
     ctx = context(res)
     for name, data in ctx["figures"].items():
-        (out / "figures" / f"{name}.png").write_bytes(base64.b64decode(data))
+        write_bytes(out / "figures" / f"{name}.png", base64.b64decode(data))
     env = Environment(loader=PackageLoader("rematlab", "templates"),
                       autoescape=select_autoescape(["html"]))
     html = out / "report.html"
-    html.write_text(env.get_template("report.html.j2").render(**ctx), encoding="utf-8")
+    write_text(html, env.get_template("report.html.j2").render(**ctx))
     md = out / "report.md"
-    md.write_text(env.get_template("report.md.j2").render(**ctx), encoding="utf-8")
+    write_text(md, env.get_template("report.md.j2").render(**ctx))
     return html, md

@@ -21,6 +21,7 @@ import duckdb
 import pandas as pd
 
 from rematlab.exceptions import ConfigError, StoreLockedError
+from rematlab.files import atomic_path, refuse_overwriting_inputs
 
 SCHEMA_VERSION = 2
 
@@ -196,12 +197,14 @@ class Store:
         if table not in ("runs", "configs", "sweeps", "config_summary"):
             raise ConfigError(f"unknown table {table!r}")
         target = Path(out)
+        refuse_overwriting_inputs(target, [self.path])
         option = "(FORMAT parquet)" if fmt == "parquet" else "(HEADER, DELIMITER ',')"
-        quoted = str(target).replace("'", "''")
-        try:
-            self.con.execute(f"COPY (SELECT * FROM {table}) TO '{quoted}' {option}")
-        except duckdb.Error as exc:
-            raise ConfigError(f"cannot write {target}: {str(exc).splitlines()[0]}") from None
+        with atomic_path(target) as tmp:
+            quoted = str(tmp).replace("'", "''")
+            try:
+                self.con.execute(f"COPY (SELECT * FROM {table}) TO '{quoted}' {option}")
+            except duckdb.Error as exc:
+                raise ConfigError(f"cannot write {target}: {str(exc).splitlines()[0]}") from None
         return target
 
 

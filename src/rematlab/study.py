@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from rematlab.files import write_text
 from rematlab.grid import Grid, load_grid
 from rematlab.store import Store, load
 
@@ -51,8 +52,8 @@ class _Cache:
         return None
 
     def put(self, stage: str, key: str, value: dict) -> None:
-        (self.root / f"{stage}.json").write_text(json.dumps({"key": key, "value": value},
-                                                            default=_jsonable))
+        write_text(self.root / f"{stage}.json",
+                   json.dumps({"key": key, "value": value}, default=_jsonable))
 
 
 def _jsonable(value: object) -> object:
@@ -194,7 +195,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         for budget, frac in budgets.items():
             chosen = choose(list(net), x, costs, budget)
             path = out / "plans" / f"{spec.model}-{spec.input}-b{batch}-{frac:g}.json"
-            path.write_text(chosen.to_json())
+            write_text(path, chosen.to_json())
             obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,
                                strategy=f"plan:{path}", device=str(device), repeats=3,
                                optimizer=spec.optimizer))

@@ -1,0 +1,61 @@
+"""Files rematlab writes: always whole or not at all.
+
+Every output goes to a temporary file in the target's own folder and is renamed into place
+(`os.replace` is atomic on POSIX and Windows), so a kill, a full disk or a file-size limit
+during the write leaves the previous file as it was, never a truncated one. An output path
+that is also one of the command's inputs is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from rematlab.exceptions import ConfigError
+
+
+def refuse_overwriting_inputs(out: str | Path, inputs: Iterable[str | Path]) -> None:
+    """A `ConfigError` when `out` names the same file as one of `inputs`."""
+    target = Path(out).resolve()
+    for src in inputs:
+        if Path(src).resolve() == target:
+            raise ConfigError(f"output {out} is also an input: choose another output path")
+
+
+@contextlib.contextmanager
+def atomic_path(out: str | Path) -> Iterator[Path]:
+    """A temporary path beside `out` to write to; renamed onto `out` when the block succeeds,
+    removed when it fails."""
+    target = Path(out)
+    if target.is_dir():
+        raise ConfigError(f"output {out} is a directory")
+    parent = target.parent
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"cannot write {out}: {parent} is not a directory")
+    parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=f".tmp{target.suffix}", dir=parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def write_atomic(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_path)`, then move the finished file onto `out`."""
+    with atomic_path(out) as tmp:
+        write(tmp)
+    return Path(out)
+
+
+def write_text(out: str | Path, text: str) -> Path:
+    return write_atomic(out, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def write_bytes(out: str | Path, data: bytes) -> Path:
+    return write_atomic(out, lambda p: p.write_bytes(data))

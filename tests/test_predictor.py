@@ -1,0 +1,142 @@
+"""The predictor: the estimator contract, skops round trips, and loading files safely."""
+
+import json
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pandas as pd
+import pytest
+import skops.io as sio
+
+from rematlab import predictor as P
+from rematlab.exceptions import ConfigError, parse_bytes
+from rematlab.files import write_atomic
+
+
+def _frame(n: int = 40) -> pd.DataFrame:
+    """Features shaped like `predictor.dataset`'s, with targets that follow them."""
+    rng = np.random.default_rng(0)
+    cols = {c: rng.random(n) + 1 for c in P.ANALYTIC + P.ROOFLINE + P.CONFIG_NUMERIC}
+    for c in P.CONFIG_CATEGORICAL:
+        cols[c] = rng.choice(["a", "b"], n)
+    cols["analytic_peak"] = rng.random(n) * 1e6 + 1e6
+    cols["memory"] = cols["analytic_peak"] * (1.0 + 0.01 * rng.random(n))
+    cols["time"] = 0.1 + np.asarray(cols["conv_flops_s"]) + 0.01 * rng.random(n)
+    return pd.DataFrame(cols)
+
+
+@pytest.mark.parametrize("target", ["time", "memory"])
+@pytest.mark.parametrize("name", sorted({*P.MODELS["time"], *P.MODELS["memory"]}))
+def test_every_model_fits_predicts_and_survives_a_skops_round_trip(tmp_path, target, name):
+    if name not in P.MODELS[target]:
+        pytest.skip(f"{name} is not a {target} model")
+    data = _frame()
+    model = P._Model(name, target)
+    fitted = model.fit(data, data[target].to_numpy(float))
+    before = model.predict(fitted, data)
+    assert np.all(np.isfinite(before)) and np.all(before > 0)
+    sio.dump({"m": fitted}, str(tmp_path / "m.skops"))
+    untrusted = set(sio.get_untrusted_types(file=str(tmp_path / "m.skops")))
+    assert untrusted <= P.SAVED_TYPES  # the exact list covers everything fit can write
+    loaded = sio.load(str(tmp_path / "m.skops"), trusted=list(untrusted))["m"]
+    np.testing.assert_array_equal(model.predict(loaded, data), before)
+
+
+def test_predictor_save_and_load_give_the_same_predictions(tmp_path):
+    data = _frame()
+    pred = P.Predictor().fit(data)
+    pred.save(tmp_path / "p.skops")
+    back = P.Predictor.load(tmp_path / "p.skops")
+    pd.testing.assert_frame_equal(back.predict(data), pred.predict(data))
+    assert back.names_ == pred.names_
+
+
+def test_an_unfitted_predictor_refuses_to_predict():
+    with pytest.raises(ConfigError, match="not fitted"):
+        P.Predictor().predict(_frame())
+
+
+def _malicious(path, marker) -> None:
+    """A skops file whose 'fitted' entry calls numpy's `runstring` on load (the issue-13
+    exploit: every name starts with 'numpy.', which a prefix rule trusted)."""
+    sio.dump({"names": {}, "fitted": (f"open({str(marker)!r}, 'w').close()", {}),
+              "half_width": {}, "coverage": 0.9}, str(path))
+    with zipfile.ZipFile(path) as z:
+        files = {n: z.read(n) for n in z.namelist()}
+    schema = json.loads(files["schema.json"])
+    schema["content"]["fitted"] = {
+        "__class__": "runstring", "__module__": "numpy.testing._private.utils",
+        "__loader__": "ConstructorFromReduceNode", "content": schema["content"]["fitted"],
+        "__id__": 1}
+    files["schema.json"] = json.dumps(schema).encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+
+def test_the_malicious_file_would_run_code_if_trusted(tmp_path):
+    """The exploit is real: skops runs it when its types are trusted (so the next test can
+    fail)."""
+    _malicious(tmp_path / "evil.skops", tmp_path / "marker")
+    untrusted = sio.get_untrusted_types(file=str(tmp_path / "evil.skops"))
+    assert untrusted == ["numpy.testing._private.utils.runstring"]
+    sio.load(str(tmp_path / "evil.skops"), trusted=untrusted)
+    assert (tmp_path / "marker").exists()
+
+
+def test_a_tampered_predictor_runs_no_code_and_the_cli_exits_2(tmp_path):
+    _malicious(tmp_path / "evil.skops", tmp_path / "marker")
+    with pytest.raises(ConfigError, match="runstring"):
+        P.Predictor.load(tmp_path / "evil.skops")
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "predict", "--predictor",
+                           str(tmp_path / "evil.skops"), "--model", "mlp3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a zip at all", b"PK\x03\x04truncated"])
+def test_a_damaged_predictor_file_is_a_one_line_error(tmp_path, content):
+    (tmp_path / "p.skops").write_bytes(content)
+    with pytest.raises(ConfigError, match="not a rematlab predictor"):
+        P.Predictor.load(tmp_path / "p.skops")
+
+
+def test_a_skops_file_of_another_structure_is_refused(tmp_path):
+    sio.dump({"something": [1, 2, 3]}, str(tmp_path / "p.skops"))
+    with pytest.raises(ConfigError, match="not a rematlab predictor"):
+        P.Predictor.load(tmp_path / "p.skops")
+
+
+def test_a_failed_write_leaves_the_old_file_intact(tmp_path):
+    target = tmp_path / "predictor.skops"
+    target.write_bytes(b"old predictor")
+
+    def dies_half_way(tmp):
+        tmp.write_bytes(b"half a ")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(target, dies_half_way)
+    assert target.read_bytes() == b"old predictor"
+    assert list(tmp_path.iterdir()) == [target]  # no temporary file left behind
+
+
+def test_fit_and_stats_refuse_to_overwrite_their_database(tmp_path):
+    db = tmp_path / "r.duckdb"
+    db.write_bytes(b"precious")
+    for args in (["fit", "--db", str(db), "--out", str(db)],
+                 ["stats", "--db", str(db), "--markdown", str(db)]):
+        proc = subprocess.run([sys.executable, "-m", "rematlab.cli", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "also an input" in proc.stderr, proc.stderr
+    assert db.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("text", ["1e999", "inf", "nan", "-Infinity GiB", float("inf")])
+def test_non_finite_memory_sizes_are_config_errors(text):
+    with pytest.raises(ConfigError):
+        parse_bytes(text)
