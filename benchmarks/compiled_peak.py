@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from rematlab import zoo
-from rematlab.measure import make_optimizer
 from rematlab.plans import Plan
 from rematlab.probes import CpuAllocatorTrace
+from rematlab.steps import make_optimizer
 from rematlab.strategies import RematChain
 
 

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from rematlab import Spec, apply, measure, zoo
 from rematlab.exceptions import ConfigError
-from rematlab.measure import make_optimizer
 from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, Span
+from rematlab.steps import make_optimizer
 
 
 class FakeClock:

@@ -44,6 +44,7 @@ from rematlab.probes import (
     rounded,
     storage_key,
 )
+from rematlab.steps import make_optimizer
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,10 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def find_chain(model: nn.Module, example_input: torch.Tensor | None = None) -> ChainInfo:
-    """Blocks of `model` and how they were found (see module docstring)."""
+def find_chain(model: nn.Module, example_input: torch.Tensor | None = None,
+               quiet: bool = False) -> ChainInfo:
+    """Blocks of `model` and how they were found (see module docstring); `quiet` drops the
+    warning when the children are used."""
     if isinstance(model, nn.Sequential):
         return ChainInfo(list(model), "sequential")
     try:
@@ -71,10 +74,11 @@ def find_chain(model: nn.Module, example_input: torch.Tensor | None = None) -> C
         children = list(model.children())
         if example_input is not None and children and _children_reproduce(model, children,
                                                                             example_input):
-            warnings.warn(f"tracing failed ({exc.__class__.__name__}: {exc}); using the "
-                          "module's children as blocks", stacklevel=2)
+            if not quiet:
+                warnings.warn(f"tracing failed ({exc.__class__.__name__}: {exc}); using the "
+                              "module's children as blocks", stacklevel=2)
             return ChainInfo(children, "children")
-        raise ValueError(f"cannot find a chain of blocks in {type(model).__name__}: tracing "
+        raise ConfigError(f"cannot find a chain of blocks in {type(model).__name__}: tracing "
                          f"failed ({exc}); pass the list of blocks explicitly") from exc
 
 
@@ -106,13 +110,30 @@ def trace_blocks(model: nn.Module) -> list[nn.Module]:
             break
         pos = order[node]
         live = [n for n in nodes[: pos + 1] if last_use[n] > pos and n.op != "get_attr"]
-        if live == [node]:
+        if live == [node] and not any(_mutates(u, node, model) for u in node.users):
             cuts.append(i)
     bounds = [-1, *cuts, len(body) - 1]
     blocks = []
     for a, b in itertools.pairwise(bounds):
         blocks.append(_subgraph(model, body[a + 1: b + 1], inputs[0] if a < 0 else body[a]))
     return blocks
+
+
+_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                       "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
+
+
+def _mutates(user: fx.Node, value: fx.Node, root: nn.Module) -> bool:
+    """Whether `user` changes `value` in place (`relu_`, `+=`, `ReLU(inplace=True)`). A block
+    boundary is never put before such a use: a checkpointed block would otherwise change the
+    input it keeps for recomputation, and profiling would hand it a leaf to modify."""
+    if not user.args or user.args[0] is not value:
+        return False
+    if user.op == "call_module":
+        return bool(getattr(root.get_submodule(str(user.target)), "inplace", False))
+    name = getattr(user.target, "__name__", str(user.target))
+    return (name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+            or bool(user.kwargs.get("inplace", False)))
 
 
 def _subgraph(root: nn.Module, nodes: list[fx.Node], entry: fx.Node) -> fx.GraphModule:
@@ -154,7 +175,7 @@ def profile_chain(
         "fwd_time", "bwd_time", "fwd_flops")}
     params_bytes = 0
     for i, block in enumerate(run):
-        x_in = x.detach().requires_grad_(i > 0 and x.is_floating_point())
+        x_in = block_input(x, needs_grad=i > 0)
         with preserved(block):
             r = _profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
         if compile:
@@ -172,7 +193,9 @@ def profile_chain(
     state, transient = optimizer_memory([p for b in run for p in b.parameters()], optimizer,
                                         unit)
     out_bytes = fields["x"][-1]
-    loss_bytes = 2 * out_bytes + 8 * x.shape[0]  # log-softmax, its gradient, int64 labels
+    # the output (alive until the step ends, as in a user's loop), the loss's saved tensor
+    # (log-softmax) and the output's gradient, int64 labels (see `rematlab.steps`)
+    loss_bytes = 3 * out_bytes + 8 * x.shape[0]
     grads = sum(fields["grad"])
     return ChainCosts(
         **fields,
@@ -180,6 +203,14 @@ def profile_chain(
         state=state,
         optimizer_peak=params_bytes + grads + state + transient + base_input,
     )
+
+
+def block_input(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
+    """A block's input as in a real step: the output of an op, not a leaf (a block may
+    change its input in place, which autograd forbids on a leaf that requires grad)."""
+    if not (needs_grad and x.is_floating_point()):
+        return x.detach()
+    return x.detach().requires_grad_().clone()
 
 
 @contextlib.contextmanager
@@ -204,10 +235,11 @@ def preserved(module: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _saved_recorder(block: nn.Module, unit: int) -> tuple[dict, Callable]:
-    """A saved-tensor pack hook that records the storages saved for backward, parameters and
-    buffers excluded, and the dict it fills (storage key -> bytes)."""
-    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]}
+def _saved_recorder(block: nn.Module, unit: int, exclude: frozenset = frozenset()
+                    ) -> tuple[dict, Callable]:
+    """A saved-tensor pack hook that records the storages saved for backward, parameters,
+    buffers and the storages in `exclude` left out, and the dict it fills (key -> bytes)."""
+    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]} | exclude
     saved: dict[tuple[str, int], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -225,8 +257,14 @@ def _unit_loss(out: torch.Tensor) -> torch.Tensor:
     return (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
 
 
-def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1) -> dict:
-    saved, pack = _saved_recorder(block, unit)
+def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
+                   run: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   exclude: frozenset = frozenset()) -> dict:
+    """Costs of one block on `x_in`. `run(x)` calls the block and returns its output tensor
+    (a layer of a real model takes more arguments and may return a tuple); storages in
+    `exclude` (those other arguments) are not the block's saved bytes."""
+    run = run or block
+    saved, pack = _saved_recorder(block, unit, exclude)
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in])
     flops = FlopCounterMode(display=False)
@@ -237,7 +275,7 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
         before = tracker.live
         with phase("forward"), tracker, flops, torch.autograd.graph.saved_tensors_hooks(
                 pack, lambda t: t):
-            out = block(x_in)
+            out = run(x_in)
         fwd_mem = tracker.peak - before
         fwd_flops = flops.get_total_flops()
         kin, kout = storage_key(x_in), storage_key(out)
@@ -255,7 +293,7 @@ def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int
         fwd_mem = max(fwd_mem, allocator.phases["forward"].transient)
         if "backward" in allocator.phases:
             bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
-    fwd_time, bwd_time = _time_block(block, x_in, repeats) if repeats else (0.0, 0.0)
+    fwd_time, bwd_time = _time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
     return {
         "x": rounded(x_in.element_size() * x_in.numel(), unit),
         "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
@@ -322,7 +360,8 @@ def _compiled_costs(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: in
     }
 
 
-def _time_block(block: nn.Module, x_in: torch.Tensor, repeats: int) -> tuple[float, float]:
+def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
+                repeats: int) -> tuple[float, float]:
     clock = clock_for(x_in.device)
     fwd, bwd = [], []
     for _ in range(repeats + 1):  # the first round warms up
@@ -341,8 +380,6 @@ def optimizer_memory(params: list[torch.Tensor], name: str | None, unit: int = 1
                      ) -> tuple[int, int]:
     """Bytes of optimizer state and the transient peak of a step, measured on tensors shaped
     like `params` on their device (meta costs nothing); (0, 0) without an optimizer."""
-    from rematlab.measure import make_optimizer
-
     if name is None:
         return 0, 0
     trainable = [p for p in params if p.requires_grad]

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, parse_bytes
-from rematlab.measure import DTYPES, OPTIMIZERS, Spec, parse_device
+from rematlab.measure import DTYPES, Spec, parse_device
+from rematlab.steps import OPTIMIZERS
 
 BUILTIN = Path(__file__).parent / "grids"
 

@@ -36,8 +36,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.probes import Clock, CpuAllocatorTrace, LiveTensorTracker, clock_for, storage_key
+from rematlab.steps import OPTIMIZERS, make_optimizer
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 NOISY_IQR_RATIO = 0.10  # IQR / median above this: too noisy to conclude from
@@ -51,18 +51,6 @@ def steps_per_repeat(step_seconds: float) -> int:
     if step_seconds <= 0:
         return 1
     return max(1, min(MAX_STEPS_PER_REPEAT, math.ceil(MIN_REPEAT_SECONDS / step_seconds)))
-
-
-def make_optimizer(name: str, params, lr: float = 0.01) -> torch.optim.Optimizer:
-    """`sgd` (plain), `momentum` (SGD, momentum 0.9: the default) or `adam`."""
-    params = list(params)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr * 0.1)
-    raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
 @dataclass(frozen=True)

@@ -15,59 +15,83 @@ partitioner make a different trade-off than eager execution (see docs/design.md)
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from rematlab.chain import compiled, compiling, find_chain, preserved, profile_chain
+from rematlab.chain import compiled, compiling, preserved, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, parse_bytes
+from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
 from rematlab.plans import ChainCosts, Plan, simulate
 from rematlab.probes import LiveTensorTracker, allocator_trace
 from rematlab.solver import Solution, solve
-from rematlab.strategies import RematChain
+from rematlab.steps import LossFn, call, check_batch, detached, step, tensors, to_device
+from rematlab.strategies import RematChain, apply
+from rematlab.structure import structure
 
 _MAX_CORRECTIONS = 6
 
 
 def plan(
     model: nn.Module,
-    example_inputs: torch.Tensor,
+    example_inputs: object,
     budget: str | int,
     *,
     device: str | torch.device | None = None,
     optimizer: str | None = "momentum",
-    blocks: list[nn.Module] | None = None,
+    blocks: list[nn.Module] | str | list[str] | None = None,
+    loss_fn: LossFn | None = None,
     predict: bool = False,
     verify: bool = True,
     compile: bool = False,
 ) -> Plan:
     """The fastest plan whose whole-step peak fits `budget` (bytes or '6GiB').
 
-    `optimizer` (sgd, momentum, adam or None) adds its state and step to the peak. `predict`
-    plans from meta-device costs (FLOPs stand in for time) without running the model.
-    `compile` plans for running the plan under `torch.compile` (`torch.compile(apply(model,
-    plan))`): blocks are profiled compiled and the peak is verified on the compiled step.
-    Raises `InfeasibleBudgetError` carrying the smallest achievable peak.
+    The step is the user's (`rematlab.steps`): `example_inputs` is a batch (tensor, tuple or
+    dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
+    output stays alive until backward. `optimizer` (sgd, momentum, adam or None) adds its state
+    and step. `blocks` names the layers of a model that runs its own loop (see
+    `rematlab.structure`). `predict` plans a chain from meta-device costs (FLOPs stand in for
+    time) without running it. `compile` plans a chain for `torch.compile(apply(model, plan))`.
+    Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
+    feasible budget.
     """
-    chain = blocks if blocks is not None else find_chain(model, example_inputs).blocks
-    dev = torch.device(device) if device is not None else example_inputs.device
-    x = example_inputs.to(dev)
-    costs = profile(chain, x, optimizer, predict=predict, compile=compile)
-    return choose(chain, x, costs, parse_bytes(budget), verify=verify and not predict,
-                  compile=compile)
+    check_batch(example_inputs)
+    st = structure(model, example_inputs, blocks)
+    dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
+    batch = to_device(example_inputs, dev)
+    limit = parse_bytes(budget)
+    if st.kind == "layers":
+        if predict or compile:
+            raise ConfigError(f"{type(model).__name__} runs its own layer loop ({st.describe()}):"
+                              " its layers are profiled on the device, not predicted or compiled")
+        costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
+                               repeats=1 if dev.type == "cpu" else 3)
+        solution = solve(costs, allowed=lambda s, k: single_layer(s, k, costs.n))
+        chosen = replace(_first_pick(solution, limit, verify), name="per-layer optimal")
+        if not verify:
+            return chosen
+        return _verified(solution, chosen, limit,
+                         lambda p: measure_layers_peak(model, st.blocks, p, batch, costs,
+                                                       loss_fn))
+    costs = profile(st.blocks, batch, optimizer, predict=predict, compile=compile)
+    return choose(st.blocks, batch, costs, limit, verify=verify and not predict,
+                  compile=compile, loss_fn=loss_fn)
 
 
 def choose(chain: list[nn.Module], x: torch.Tensor, costs: ChainCosts, limit: int,
-           verify: bool = True, compile: bool = False) -> Plan:
+           verify: bool = True, compile: bool = False, loss_fn: LossFn | None = None) -> Plan:
     """Solve over `costs` and pick the fastest plan under `limit`, checked by measurement
     on `x`'s device when `verify` (compiled when `compile`)."""
     solution = solve(costs)
-    chosen = replace(solution.plan_for(limit), compiled=compile)
+    chosen = replace(_first_pick(solution, limit, verify), compiled=compile)
     if not verify:
         return chosen
-    return _verified(chain, x, solution, chosen, limit, costs)
+    return _verified(solution, chosen, limit,
+                     lambda p: measure_peak(chain, p, x, costs, loss_fn))
 
 
 def profile(chain: list[nn.Module], x: torch.Tensor, optimizer: str | None,
@@ -77,17 +101,30 @@ def profile(chain: list[nn.Module], x: torch.Tensor, optimizer: str | None,
                          x.device.type == "cpu" else 3, compile=compile)
 
 
-def _verified(chain: list[nn.Module], x: torch.Tensor, solution: Solution, chosen: Plan,
-              limit: int, costs: ChainCosts) -> Plan:
+def _first_pick(solution: Solution, limit: int, verify: bool) -> Plan:
+    """The model's pick for `limit`; below the simulated floor, the floor plan when it will
+    be measured (the measurement, not the model, decides whether the budget is infeasible)."""
+    try:
+        return solution.plan_for(limit)
+    except InfeasibleBudgetError:
+        if not verify:
+            raise
+        return solution.plan_for(solution.min_peak)
+
+
+def _verified(solution: Solution, chosen: Plan, limit: int,
+              measure: Callable[[Plan], int]) -> Plan:
     """Measure the chosen plan. Over the limit: tighten the target by the overshoot and pick
     again. Under it by a margin the model did not predict (compiled graphs save less than
     their blocks compiled alone): loosen the target by that margin and try the faster plan
-    it allows. The fastest plan measured within the limit wins."""
+    it allows. The fastest plan measured within the limit wins. When none does, the floor
+    plan is measured: the error's `min_peak` is that measurement, so passing it back as the
+    budget yields the floor plan."""
     target, best = limit, None
     seen: set[str] = set()
     for _ in range(_MAX_CORRECTIONS):
         seen.add(chosen.describe())
-        measured = measure_peak(chain, chosen, x, costs)
+        measured = measure(chosen)
         if measured <= limit:
             if best is None or (chosen.predicted_time or 0) < (best.predicted_time or 0):
                 best = replace(chosen, budget=limit, measured_peak=measured)
@@ -95,7 +132,8 @@ def _verified(chain: list[nn.Module], x: torch.Tensor, solution: Solution, chose
         else:
             target -= measured - limit
         try:
-            chosen = replace(solution.plan_for(target), compiled=chosen.compiled)
+            chosen = replace(solution.plan_for(target), compiled=chosen.compiled,
+                             name=chosen.name)
         except InfeasibleBudgetError:
             break
         if chosen.describe() in seen or (best is not None and (chosen.predicted_time or 0)
@@ -103,36 +141,53 @@ def _verified(chain: list[nn.Module], x: torch.Tensor, solution: Solution, chose
             break
     if best is not None:
         return best
-    floor_plan = replace(solution.plan_for(solution.min_peak), compiled=chosen.compiled)
-    raise InfeasibleBudgetError(limit, max(solution.min_peak,
-                                           measure_peak(chain, floor_plan, x, costs)))
+    floor_plan = replace(solution.plan_for(solution.min_peak), compiled=chosen.compiled,
+                         name=chosen.name)
+    floor = measure(floor_plan)
+    if floor <= limit:
+        return replace(floor_plan, budget=limit, measured_peak=floor)
+    raise InfeasibleBudgetError(limit, max(solution.min_peak, floor))
 
 
 def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
-                 costs: ChainCosts) -> int:
+                 costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
     """Measured peak of a training step under `chosen` (compiled if `chosen.compiled`):
-    forward, loss and backward with the optimizer state's bytes allocated, then the optimizer
-    step's peak from `costs` (which was measured on tensors shaped like the parameters).
-    Parameters, buffers and RNG are restored."""
+    forward, loss and backward with the output alive until the end and the optimizer state's
+    bytes allocated, then the optimizer step's peak from `costs` (which was measured on
+    tensors shaped like the parameters). Parameters, buffers and RNG are restored."""
     remat = RematChain(chain, chosen)
     run = compiled(remat) if chosen.compiled else remat
-    state = torch.empty(costs.state, dtype=torch.uint8, device=x.device)
-    with preserved(remat), compiling():
-        classes = max(1, costs.x[-1] // (x.shape[0] * x.element_size()))  # (B, classes) out
-        labels = torch.randint(0, classes, (x.shape[0],), device=x.device)
+    with compiling():
         if chosen.compiled:  # compile forward and backward outside the measurement
-            F.cross_entropy(run(x), labels).backward()
-            for p in remat.parameters():
-                p.grad = None
-        # tensors (eager only: the tracker cannot see inside compiled code), and the allocator
-        # for what kernels and compiled code allocate
+            with preserved(remat):
+                del_out = step(run, x, loss_fn)
+                del del_out
+        return step_peak(remat, run, x, costs, loss_fn, tensors_seen=not chosen.compiled)
+
+
+def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
+                        batch: object, costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
+    """Measured peak of the user's step with `chosen` installed on the model's layers."""
+    twin = attach(model, LayerRemat(layers, chosen))
+    return step_peak(model, twin, batch, costs, loss_fn)
+
+
+def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
+              loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
+    """Peak bytes of one step (`steps.step`) of `run` on `batch`: the larger of the live
+    tensors (when the tracker can see them: eager code) and the allocator's count, above
+    `owner`'s parameters, buffers, the batch and the optimizer state; at least the optimizer
+    step's peak. `owner`'s gradients, buffers and the RNG are restored."""
+    device = next(tensors(batch)).device
+    state = torch.empty(costs.state, dtype=torch.uint8, device=device)
+    with preserved(owner):
         tracker = LiveTensorTracker()
-        tracker.track([*remat.parameters(), *remat.buffers(), x, labels, state])
+        tracker.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
         base = tracker.live
-        counting = contextlib.nullcontext() if chosen.compiled or x.device.type != "cpu" \
-            else tracker
-        with allocator_trace(x.device) as allocator, counting:
-            F.cross_entropy(run(x), labels).backward()
+        counting = tracker if tensors_seen and device.type == "cpu" else contextlib.nullcontext()
+        with allocator_trace(device) as allocator, counting:
+            out = step(run, batch, loss_fn)
+            del out
         peak = max(tracker.peak, base + allocator.peak)
     del state
     return max(peak, costs.optimizer_peak)
@@ -160,31 +215,38 @@ def compare(costs: ChainCosts, budget: int | None = None) -> list[dict]:
 
 class AutoRemat(nn.Module):
     """Plans on the first training batch and re-plans, cached per input shape, when the
-    shape changes. Evaluation and no-grad calls run the model plainly."""
+    shapes change. Evaluation and no-grad calls run the model plainly. Takes the model's own
+    arguments (a tensor, several, or keywords as a Hugging Face model does)."""
 
     def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
-                 blocks: list[nn.Module] | None = None, predict: bool = False) -> None:
+                 blocks: list[nn.Module] | str | list[str] | None = None,
+                 loss_fn: LossFn | None = None, predict: bool = False) -> None:
         super().__init__()
         self.model = model
         self.budget = parse_bytes(budget)
         self.optimizer = optimizer
+        self.loss_fn = loss_fn
         self.predict = predict
         self._blocks = blocks
-        self.plans: dict[tuple, RematChain] = {}
+        self.plans: dict[tuple, nn.Module] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
-            return self.model(x)
-        key = (tuple(x.shape), x.dtype, x.device)
+            return self.model(*args, **kwargs)
+        batch: Any = kwargs if not args else (args[0] if len(args) == 1 and not kwargs
+                                              else args)
+        if args and kwargs:
+            raise ConfigError("auto() takes positional or keyword inputs, not both")
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(batch))
         if key not in self.plans:
-            blocks = self._blocks or find_chain(self.model, x).blocks
-            chosen = plan(self.model, x.detach(), self.budget, optimizer=self.optimizer,
-                          blocks=blocks, predict=self.predict)
-            self.plans[key] = RematChain(blocks, chosen)
-        return self.plans[key](x)
+            chosen = plan(self.model, detached(batch), self.budget, optimizer=self.optimizer,
+                          blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict)
+            self.plans[key] = apply(self.model, chosen, blocks=self._blocks,
+                                    example_input=batch)
+        return call(self.plans[key], batch)
 
 
-def auto(model: nn.Module, budget: str | int, **kwargs) -> AutoRemat:
+def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:
     """`model` wrapped so that every new input shape gets its own optimal plan."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"auto() needs an nn.Module, got {type(model).__name__}")

@@ -207,6 +207,14 @@ def uniform_plan(n: int, segments: int, name: str | None = None) -> Plan:
     return segments_plan(n, bounds, name or f"uniform:{segments}")
 
 
+def per_layer_plan(n: int, checkpointed, name: str) -> Plan:
+    """Each block in `checkpointed` a segment of its own, the rest kept (a model whose own
+    loop runs its layers can only checkpoint them one at a time)."""
+    picked = set(checkpointed)
+    return Plan(n, tuple(Segment(i, i + 1, (i,)) if i in picked else i for i in range(n)),
+                name=name)
+
+
 def every_plan(n: int, size: int) -> Plan:
     """Segments of `size` consecutive blocks (the last may be shorter)."""
     bounds = [*range(0, n, size), n]

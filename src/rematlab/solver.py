@@ -14,6 +14,7 @@ calls feasible at level m needs at most m * unit bytes in the simulator.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,8 +110,13 @@ def _shift(arr: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
-def solve(costs: ChainCosts, levels: int = 2000, unit: int | None = None) -> Solution:
+def solve(costs: ChainCosts, levels: int = 2000, unit: int | None = None,
+          allowed: Callable[[int, int], bool] | None = None) -> Solution:
     """Fill the DP tables up to the memory that keeping every activation needs.
+
+    `allowed(start, end)` restricts which segments may be checkpointed (the per-layer
+    problem of a model that runs its own layer loop); the recursion is otherwise the same, so
+    the plan is optimal among the allowed ones.
 
     Each memory term is rounded up to a unit, at most 2n+2 times along a plan, so the grid
     gets that many levels of headroom above the full need: keeping everything stays feasible.
@@ -130,14 +136,15 @@ def solve(costs: ChainCosts, levels: int = 2000, unit: int | None = None) -> Sol
         for s in range(n - length + 1):
             t = s + length
             for h in (0, 1):
-                best, arg = _options(costs, s, t, h, table, mem_levels, unit)
+                best, arg = _options(costs, s, t, h, table, mem_levels, unit, allowed)
                 table[(h, s, t)] = best
                 choice[(h, s, t)] = arg
     return Solution(costs, unit, levels, table, choice)
 
 
 def _options(c: ChainCosts, s: int, t: int, h: int, table: dict, levels: np.ndarray,
-             unit: int) -> tuple[np.ndarray, np.ndarray]:
+             unit: int, allowed: Callable[[int, int], bool] | None
+             ) -> tuple[np.ndarray, np.ndarray]:
     held = _plain_held(c, s, bool(h))
     fwd = (0 if h else c.x[s]) + c.fwd_mem[s]
     bwd = held + c.x[s + 1] - c.x[t] + c.grads_between(s + 1, t) + c.bwd_mem[s]
@@ -147,6 +154,8 @@ def _options(c: ChainCosts, s: int, t: int, h: int, table: dict, levels: np.ndar
     arg = np.full(levels.size, -1)
     ck_held = 0 if h else c.x[s]
     for k in range(s + 1, t):
+        if allowed is not None and not allowed(s, k):
+            continue
         rest = _shift(table[(0, k, t)], _units(ck_held, unit))
         inner = _shift(table[(1, s, k)], _units(_recompute_base(c, s, k, t, ck_held), unit))
         cand = rest + inner + sum(c.fwd_time[s:k])

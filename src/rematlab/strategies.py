@@ -15,20 +15,21 @@ on the CLI and in grid files.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import plans
+from rematlab.chain import profile_chain
 from rematlab.exceptions import ConfigError
+from rematlab.layers import LayerRemat, attach, profile_layers
 from rematlab.plans import ChainCosts, Item, Plan, Segment
+from rematlab.recompute import RecomputeStats, recompute_contexts
+from rematlab.structure import Structure, structure
 
 _PATTERN = re.compile(r"^(none|sqrt|selective|uniform|every|plan)(?::(.+))?$")
 NAMES = ("none", "uniform:N", "every:K", "selective[:T]", "sqrt", "plan:FILE.json")
@@ -100,56 +101,6 @@ def parse(text: str) -> Strategy:
     return Strategy(kind, float(value))
 
 
-class RecomputeStats:
-    """What recomputation costs during backward: seconds, segments recomputed and, when
-    `count_flops` is set, FLOPs. Nested recomputation is counted inside its outermost region."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.segments = 0
-        self.flops = 0
-        self.count_flops = False
-        self._depth = 0
-
-    @contextlib.contextmanager
-    def region(self) -> Iterator[None]:
-        outermost = self._depth == 0
-        t0 = time.perf_counter()
-        counter = FlopCounterMode(display=False) if outermost and self.count_flops else None
-        self._depth += 1
-        try:
-            with counter if counter is not None else contextlib.nullcontext():
-                yield
-        finally:
-            self._depth -= 1
-            self.segments += 1
-            if outermost:
-                self.seconds += time.perf_counter() - t0
-            if counter is not None:
-                self.flops += counter.get_total_flops()
-
-
-@contextlib.contextmanager
-def _frozen_batchnorm(modules: list[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
-    """Batch statistics without running-stat updates: what a recomputed forward must do.
-
-    Momentum 0 makes the kernel's update `r = (1 - 0) * r + 0 * batch`, which leaves `r` as it
-    is while saving the same tensors as the original forward (checkpoint checks that count);
-    `num_batches_tracked` is put back afterwards.
-    """
-    saved = [(m.momentum, None if m.num_batches_tracked is None else
-              int(m.num_batches_tracked)) for m in modules]
-    try:
-        for m in modules:
-            m.momentum = 0.0
-        yield
-    finally:
-        for m, (momentum, tracked) in zip(modules, saved, strict=True):
-            m.momentum = momentum
-            if tracked is not None:
-                m.num_batches_tracked.fill_(tracked)
-
-
 class RematChain(nn.Module):
     """Runs a chain of blocks under a plan. Shares the blocks (and parameters) it is given."""
 
@@ -190,51 +141,69 @@ class RematChain(nn.Module):
         return lambda x: self._run(seg.inner, x)
 
     def _contexts(self, seg: Segment) -> Callable[[], tuple]:
-        bns = [m for b in self.blocks[seg.start:seg.end] for m in b.modules()
-               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-
-        @contextlib.contextmanager
-        def recompute_context() -> Iterator[None]:
-            # entered only when backward recomputes the segment, not when it is created
-            with self.recompute.region(), _frozen_batchnorm(bns):
-                yield
-
-        return lambda: (contextlib.nullcontext(), recompute_context())
-
-
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The chain of blocks of a model: an `nn.Sequential`'s children, a `RematChain`'s blocks,
-    or, for any other module, the chain found by tracing (see `rematlab.chain`)."""
-    if isinstance(model, RematChain):
-        return list(model.blocks)
-    if isinstance(model, nn.Sequential):
-        return list(model)
-    from rematlab.chain import trace_blocks
-
-    return trace_blocks(model)
+        return recompute_contexts(self.recompute, self.blocks[seg.start:seg.end])
 
 
 def apply(
     model: nn.Module,
     strategy: str | Strategy | Plan,
     *,
-    blocks: list[nn.Module] | None = None,
-    example_input: torch.Tensor | None = None,
-) -> RematChain:
+    blocks: list[nn.Module] | str | list[str] | None = None,
+    example_input: object = None,
+) -> nn.Module:
     """Return `model` rematerialized under `strategy`, sharing its parameters.
 
-    `blocks` overrides how the chain is found. `selective` needs per-block costs, which are
-    profiled on the meta device from `example_input` (no real compute, no memory).
+    An `nn.Sequential` (or a list of modules in `blocks`) becomes a `RematChain`. Any other
+    model comes back as itself — same class, attributes, methods and `state_dict` keys — a
+    shallow copy whose forward runs the plan (`layers.attach`); the original is untouched.
+    Traceable single-input models run as a chain of fx blocks; others through their repeated
+    layers, or the layers named in `blocks` (`"transformer.h"`), one layer per checkpoint.
+    `selective` needs per-block costs, profiled from `example_input` (on the meta device for
+    a chain; on the input's device for layers).
     """
-    chain = blocks if blocks is not None else blocks_of(model)
-    if isinstance(strategy, Plan):
-        return RematChain(chain, strategy)
-    strat = parse(strategy) if isinstance(strategy, str) else strategy
-    costs = None
-    if strat.needs_costs:
-        if example_input is None:
-            raise ConfigError("strategy 'selective' needs an example input to profile blocks")
-        from rematlab.chain import profile_chain
+    if isinstance(model, RematChain):
+        model, blocks = nn.Sequential(*model.blocks), None
+    st = structure(model, example_input, blocks)
+    strat = strategy if isinstance(strategy, Plan) else (
+        parse(strategy) if isinstance(strategy, str) else strategy)
+    if st.kind == "layers":
+        chosen = layer_plan(strat, st, model, example_input)
+        return attach(model, LayerRemat(st.blocks, chosen))
+    if isinstance(strat, Plan):
+        chosen = strat
+    else:
+        costs = None
+        if strat.needs_costs:
+            if not isinstance(example_input, torch.Tensor):
+                raise ConfigError("strategy 'selective' needs an example input to profile "
+                                  "blocks")
+            costs = profile_chain(st.blocks, example_input, device=torch.device("meta"))
+        chosen = strat.build(st.n_blocks, costs)
+    remat = RematChain(st.blocks, chosen)
+    return remat if st.how in ("sequential", "given") else attach(model, remat)
 
-        costs = profile_chain(chain, example_input, device=torch.device("meta"))
-    return RematChain(chain, strat.build(len(chain), costs))
+
+def layer_plan(strat: Strategy | Plan, st: Structure, model: nn.Module, example: object
+               ) -> Plan:
+    """A per-layer plan: single layers checkpointed. `none`, `every:1` (every layer, as
+    transformers' gradient checkpointing), `selective` (its picks, one layer each) and
+    explicit plans apply; segments of several layers cannot run in the model's own loop."""
+    n = st.n_blocks
+    if isinstance(strat, Plan):
+        return strat
+    if strat.kind == "plan":
+        return strat.build(n)
+    if strat.kind == "none":
+        return plans.none_plan(n)
+    if strat.kind == "every" and strat.arg == 1:
+        return plans.per_layer_plan(n, range(1, n - 1), "every:1")
+    if strat.kind == "selective":
+        if example is None:
+            raise ConfigError("strategy 'selective' needs an example batch to profile layers")
+        costs = profile_layers(model, example, st.blocks, repeats=0)
+        picked = plans.selective_plan(costs, 1.0 if strat.arg is None else strat.arg)
+        chosen = [i for s in picked.segments for i in range(s.start, s.end) if 0 < i < n - 1]
+        return plans.per_layer_plan(n, chosen, str(strat))
+    raise ConfigError(f"strategy {strat} needs segments of several blocks, which "
+                      f"{type(model).__name__}'s own layer loop cannot run; use none, every:1, "
+                      "selective or an optimal plan (rematlab.plan)")

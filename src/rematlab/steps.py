@@ -1,0 +1,155 @@
+"""The user's training step: any batch form, the model's own loss, the output alive until
+backward.
+
+A batch is what the user's loop passes to the model: a tensor (`model(x)`), a tuple or list
+(`model(*batch)`) or a dict (`model(**batch)`, as Hugging Face loops do with `input_ids`,
+`attention_mask`, `labels`, `pixel_values`). The loss is, in this order, the `loss_fn(output,
+batch)` the user passes; the model's own loss (`output.loss` or `output["loss"]`, what
+transformers returns when the batch has `labels`); cross-entropy against fixed random labels
+for a `(B, classes)` output (the zoo's classifiers); the mean square of the first floating
+output tensor otherwise (any shape: images, sequences, embeddings).
+
+Budget semantics: the step whose peak a plan bounds is `out = model(batch); loss =
+loss_fn(out, batch); loss.backward(); optimizer.step()`, with `out` alive until the step ends,
+as in a real loop (a logits tensor that outlives backward is part of the peak), and the
+optimizer's state and step included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rematlab.exceptions import ConfigError
+
+Batch = Any  # torch.Tensor | tuple | list | dict[str, torch.Tensor]
+LossFn = Callable[[Any, Batch], torch.Tensor]
+
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a batch or an output (dicts, tuples, lists, ModelOutputs), in
+    order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
+        for v in value.values():
+            yield from tensors(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors(v)
+
+
+def check_batch(batch: Batch) -> None:
+    """A `ConfigError` unless `batch` is a tensor, a tuple/list or a str-keyed dict holding
+    at least one tensor."""
+    if isinstance(batch, dict) and not all(isinstance(k, str) for k in batch):
+        raise ConfigError("a dict batch needs string keys (the model's argument names)")
+    if not isinstance(batch, (torch.Tensor, tuple, list, dict)):
+        raise ConfigError(f"a batch is a tensor, a tuple or a dict of tensors, got "
+                          f"{type(batch).__name__}")
+    if next(tensors(batch), None) is None:
+        raise ConfigError("the example batch holds no tensor")
+
+
+def call(model: Callable, batch: Batch) -> Any:
+    """`model(**batch)`, `model(*batch)` or `model(batch)`, by the batch's form."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def detached(value: Any) -> Any:
+    """A batch (or arguments) with every tensor detached, the structure kept."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(detached(v) for v in value)
+    return value
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_size(batch: Batch) -> int:
+    """The leading dimension of the batch's first tensor."""
+    first = next(tensors(batch))
+    return int(first.shape[0]) if first.dim() else 1
+
+
+def batch_bytes(batch: Batch) -> int:
+    seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors(batch)}
+    return sum(seen.values())
+
+
+def first_float(out: Any) -> torch.Tensor:
+    """The first floating tensor of an output (logits, last hidden state, an image)."""
+    if isinstance(out, dict):
+        out = {k: v for k, v in out.items() if k != "loss"}
+    for t in tensors(out):
+        if t.is_floating_point():
+            return t
+    raise ConfigError(f"the model's output ({type(out).__name__}) holds no floating tensor "
+                      "to take a loss of: pass loss_fn")
+
+
+def model_loss(out: Any) -> torch.Tensor | None:
+    """The loss a model computed itself (transformers with `labels`), if any."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
+def labels_for(logits: torch.Tensor) -> torch.Tensor:
+    """Fixed random class labels for a `(B, classes)` output, the same on every call."""
+    gen = torch.Generator().manual_seed(0)
+    b, classes = logits.shape
+    return torch.randint(0, classes, (b,), generator=gen).to(logits.device)
+
+
+def default_loss(out: Any, batch: Batch) -> torch.Tensor:
+    """See the module docstring: the model's own loss, cross-entropy for classifiers, else
+    the mean square of the output."""
+    del batch  # the default never looks at the batch: its labels are inside `out.loss`
+    loss = model_loss(out)
+    if loss is not None:
+        return loss
+    y = first_float(out)
+    if y.dim() == 2:
+        return F.cross_entropy(y, labels_for(y))
+    return y.square().mean()
+
+
+def step(model: Callable, batch: Batch, loss_fn: LossFn | None = None) -> Any:
+    """Forward, loss and backward of one step; returns the output, alive until the caller
+    drops it (as a real loop keeps `out` until the step ends)."""
+    out = call(model, batch)
+    (loss_fn or default_loss)(out, batch).backward()
+    return out
+
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def make_optimizer(name: str, params, lr: float = 0.01) -> torch.optim.Optimizer:
+    """`sgd` (plain), `momentum` (SGD, momentum 0.9: the default) or `adam`."""
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr * 0.1)
+    raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,66 @@
+"""How rematlab drives a model: as a chain it runs itself, or as layers the model runs.
+
+A *chain* (`nn.Sequential`, blocks given as modules, or a model `torch.fx` cuts into
+single-tensor blocks) is run block by block by `strategies.RematChain`, so any plan — nested
+segments of several blocks — can be executed. Any other model (several inputs, dict batches,
+Hugging Face outputs, untraceable code) is driven through its *layers*
+(`rematlab.layers`): the model runs its own loop and rematlab checkpoints single layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rematlab.chain import find_chain
+from rematlab.exceptions import ConfigError
+from rematlab.layers import find_layers
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The blocks of a model and how they run: `kind` is "chain" or "layers"; `how` says how
+    they were found (sequential, given, fx, named, repeated)."""
+
+    kind: str
+    blocks: list[nn.Module]
+    how: str
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks of the plan: the chain's, or the layers plus one before and one after."""
+        return len(self.blocks) + (2 if self.kind == "layers" else 0)
+
+    def describe(self) -> str:
+        if self.kind == "chain":
+            return f"chain of {len(self.blocks)} blocks ({self.how})"
+        first = self.names[0] if self.names else "?"
+        return (f"{len(self.blocks)} layers ({self.how}: {first}, ...) run by the model's own "
+                "loop; single layers checkpointed")
+
+
+def structure(model: nn.Module, example: object = None,
+              blocks: list[nn.Module] | str | list[str] | None = None) -> Structure:
+    """See the module docstring. `blocks`: modules (a chain rematlab runs) or names of the
+    model's layers (`"transformer.h"`)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
+    if blocks is not None and not isinstance(blocks, str) and all(
+            isinstance(b, nn.Module) for b in blocks):
+        return Structure("chain", list(blocks), "given")
+    if blocks is not None:
+        named = find_layers(model, blocks)
+        return Structure("layers", [m for _, m in named], "named", [n for n, _ in named])
+    if isinstance(model, nn.Sequential):
+        return Structure("chain", list(model), "sequential")
+    if example is None or isinstance(example, torch.Tensor):
+        with contextlib.suppress(ConfigError):
+            info = find_chain(model, example, quiet=True)
+            if len(info.blocks) > 1:
+                return Structure("chain", info.blocks, info.method)
+    named = find_layers(model)
+    return Structure("layers", [m for _, m in named], "repeated", [n for n, _ in named])
