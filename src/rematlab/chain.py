@@ -177,7 +177,7 @@ def profile_chain(
     for i, block in enumerate(run):
         x_in = block_input(x, needs_grad=i > 0)
         with preserved(block):
-            r = _profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
+            r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
         if compile:
             with preserved(block), compiling():
                 r.update(_compiled_costs(block, x_in, repeats, unit))
@@ -257,16 +257,20 @@ def _unit_loss(out: torch.Tensor) -> torch.Tensor:
     return (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
 
 
-def _profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
+def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
                    run: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   exclude: frozenset = frozenset()) -> dict:
+                   exclude: frozenset = frozenset(),
+                   others: list[torch.Tensor] | None = None) -> dict:
     """Costs of one block on `x_in`. `run(x)` calls the block and returns its output tensor
-    (a layer of a real model takes more arguments and may return a tuple); storages in
-    `exclude` (those other arguments) are not the block's saved bytes."""
+    (a layer of a real model takes more arguments and may return a tuple); `others` are those
+    other tensor arguments, whose storages are not the block's saved bytes."""
     run = run or block
+    exclude = frozenset(storage_key(t) for t in others or ())
     saved, pack = _saved_recorder(block, unit, exclude)
     tracker = LiveTensorTracker(unit=unit)
-    tracker.track([x_in])
+    # parameters, buffers and other arguments exist before the block runs: tracked up front,
+    # so that views of them (a Linear's `weight.t()`) are not counted as new memory
+    tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
     flops = FlopCounterMode(display=False)
     allocator = None if x_in.device.type == "meta" else allocator_trace(x_in.device)
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()

@@ -21,9 +21,10 @@ of the whole model (`outer_costs`).
 
 .. warning::
    A layer runs its forward a second time during backward. Dropout masks are replayed and
-   BatchNorm statistics are not updated twice (see `rematlab.recompute`); key/value caches are
-   not passed to checkpointed layers (`use_cache=False`), as transformers does, since a
-   recomputed layer would append to the cache again.
+   BatchNorm statistics are not updated twice (see `rematlab.recompute`). Key/value caches are
+   not passed to the layers during a training step under a plan (`use_cache=False`), as
+   transformers does under gradient checkpointing: a recomputed layer would append to the
+   cache again. Without gradients (evaluation, `generate`) layers run as they are.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.chain import _profile_block, block_input, optimizer_memory, preserved
+from rematlab.chain import profile_block, block_input, optimizer_memory, preserved
 from rematlab.exceptions import ConfigError
-from rematlab.plans import ChainCosts, Plan
-from rematlab.probes import LiveTensorTracker, clock_for, storage_key
+from rematlab.plans import ChainCosts, Plan, none_plan
+from rematlab.probes import LiveTensorTracker, clock_for
 from rematlab.recompute import RecomputeStats, recompute_contexts
 from rematlab.steps import Batch, LossFn, batch_bytes, call, default_loss, detached, tensors
 
@@ -129,12 +130,11 @@ class LayerCall:
             return tuple(args), self.kwargs
         return self.args, {**self.kwargs, self.where: x}
 
-    def others(self) -> frozenset:
-        """Storages of every other tensor argument (masks, position embeddings): they belong
-        to the model around the layers, not to the layer's saved bytes."""
+    def others(self) -> list[torch.Tensor]:
+        """Every other tensor argument (masks, position embeddings): they belong to the model
+        around the layers, not to the layer's saved bytes."""
         keep = self.hidden()
-        return frozenset(storage_key(t) for t in tensors((self.args, self.kwargs))
-                         if t is not keep)
+        return [t for t in tensors((self.args, self.kwargs)) if t is not keep]
 
 
 def capture(model: nn.Module, batch: Batch, layers: list[nn.Module]) -> list[LayerCall]:
@@ -254,10 +254,15 @@ class _LayerForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = _ACTIVE.get()
         layer = self.layer()
-        if (plan is None or layer is None or id(layer) not in plan.checkpointed
-                or not torch.is_grad_enabled()):
+        if plan is None or layer is None or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        return plan.run(layer, self.forward, args, kwargs)
+        if id(layer) in plan.checkpointed:
+            return plan.run(layer, self.forward, args, kwargs)
+        # a training step under a plan runs without key/value caches, kept layers too, as
+        # transformers does under gradient checkpointing: a cache is for generation, and it
+        # would hold every kept layer's keys and values until the output dies
+        args, kwargs = _without_cache(args, kwargs)
+        return self.forward(*args, **kwargs)
 
 
 def _install(layer: nn.Module) -> None:
@@ -312,11 +317,11 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
             return _output_tensor(layer(*args, **kwargs))
 
         with preserved(layer):
-            rows.append(_profile_block(layer, x_in, repeats, run=run, exclude=lc.others()))
+            rows.append(profile_block(layer, x_in, repeats, run=run, others=lc.others()))
     outer = outer_costs(model, batch, layers, loss_fn, repeats)
     x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
     state, transient = optimizer_memory(list(model.parameters()), optimizer)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     inputs = batch_bytes(batch)
     # the step's time outside the layers: what no plan changes, so predicted times are steps
@@ -396,12 +401,13 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
     handles = [m.register_forward_pre_hook(entering, with_kwargs=True) for m in layers]
     handles.append(layers[-1].register_forward_hook(last_out))
     params = list(model.parameters())
+    plain = attach(model, LayerRemat(layers, none_plan(len(layers) + 2)))  # as planned runs
     try:
         with preserved(model):
             tracker.track([*params, *model.buffers(), *tensors(batch)])
             mark("start")
             with tracker:
-                out = call(model, batch)
+                out = call(plain, batch)
                 loss = (loss_fn or default_loss)(out, batch)
                 mark("forward_end")
                 alive = seen["y_ref"]() is not None
@@ -410,7 +416,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
                 loss.backward()
                 mark("end")
             del out, loss
-            step_time = _step_time(model, batch, loss_fn, repeats)
+            step_time = _step_time(plain, batch, loss_fn, repeats)
     finally:
         for h in handles:
             h.remove()

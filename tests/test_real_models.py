@@ -1,0 +1,134 @@
+"""Real models plan, apply and measure without wrappers (issue 12): Hugging Face models with
+dict batches and labels, a ResNet with in-place ReLU, a U-Net, a model with several inputs."""
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import rematlab
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError
+from rematlab.layers import find_layers, remat_of
+from rematlab.steps import call, default_loss, detached, make_optimizer, tensors
+from tests import realzoo
+
+
+def _grads(model, batch, seed: int = 1) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks for both runs
+    default_loss(call(model, batch), batch).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _double(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _double(v) for k, v in batch.items()}
+    return type(batch)(_double(v) for v in batch)
+
+
+@pytest.mark.parametrize("name", sorted(realzoo.MODELS))
+@pytest.mark.parametrize("strategy", ["every:1", "plan"])
+def test_float64_gradients_equal_the_plain_model_with_dropout_replayed(name, strategy):
+    model, batch = realzoo.MODELS[name]()
+    model, batch = model.double().train(), _double(batch)
+    if strategy == "plan":  # the floor plan: the most recomputation the planner allows
+        with pytest.raises(InfeasibleBudgetError) as err:
+            rematlab.plan(model, batch, 1, optimizer=None)
+        strategy = rematlab.plan(model, batch, err.value.min_peak, optimizer=None)
+        assert strategy.segments, "the floor plan checkpoints something"
+    remat = rematlab.apply(model, strategy, example_input=batch)
+    assert type(remat) is type(model)
+    assert list(remat.state_dict()) == list(model.state_dict())
+    want, got = _grads(model, batch), _grads(remat, batch)
+    assert len(want) == len(got) == len([p for p in model.parameters() if p.requires_grad])
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b) or (a - b).abs().max().item() <= 1e-12
+    assert remat_of(remat).recompute.segments > 0
+
+
+def _own_loop_peak(model, batch) -> int:
+    """The peak of the user's own loop, by torch's MemTracker (an independent meter): two
+    warm-up steps (optimizer state), then one tracked step, the output alive until the end."""
+    opt = make_optimizer("momentum", model.parameters())
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = call(model, batch)
+        default_loss(out, batch).backward()
+        opt.step()
+        return out
+
+    step()
+    step()
+    opt.zero_grad(set_to_none=True)
+    mt = MemTracker()
+    mt.track_external(model, opt, *tensors(batch))
+    with mt:
+        del_me = step()
+        del del_me
+    return max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+
+
+@pytest.mark.parametrize("name", sorted(realzoo.MODELS))
+def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budget(name):
+    model, batch = realzoo.MODELS[name](batch=8)
+    model.train()
+    with pytest.raises(InfeasibleBudgetError) as err:
+        rematlab.plan(model, batch, 1)
+    floor = err.value.min_peak
+    full = rematlab.plan(model, batch, "100GiB").measured_peak
+    assert floor < full
+    floor_plan = rematlab.plan(model, batch, floor)  # the floor is a budget
+    assert floor_plan.measured_peak <= floor
+    for fraction in (0.0, 0.3, 0.7):
+        budget = int(floor + fraction * (full - floor))
+        chosen = rematlab.plan(model, batch, budget)
+        assert chosen.measured_peak <= budget
+        remat = rematlab.apply(model, chosen, example_input=batch)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        assert _own_loop_peak(remat, batch) <= budget
+        model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_simulated_peak_is_within_3_percent_of_the_measured_one(name):
+    model, batch = realzoo.MODELS[name](batch=8)
+    model.train()
+    with pytest.raises(InfeasibleBudgetError) as err:
+        rematlab.plan(model, batch, 1)
+    full = rematlab.plan(model, batch, "100GiB").measured_peak
+    for budget in (err.value.min_peak, (err.value.min_peak + full) // 2, full):
+        chosen = rematlab.plan(model, batch, budget)
+        error = (chosen.predicted_peak - chosen.measured_peak) / chosen.measured_peak
+        assert -0.01 <= error <= 0.03, (chosen.describe(), error)
+
+
+def test_the_repeated_layers_are_found_by_class_or_by_name():
+    gpt, _ = realzoo.gpt2()
+    assert [n for n, _ in find_layers(gpt)] == [f"transformer.h.{i}" for i in range(4)]
+    assert [n for n, _ in find_layers(gpt, "transformer.h")] == \
+        [f"transformer.h.{i}" for i in range(4)]
+    bert, _ = realzoo.bert()
+    assert len(find_layers(bert)) == 4
+    with pytest.raises(ConfigError, match="no submodule 'transformer.nope'"):
+        find_layers(gpt, "transformer.nope")
+
+
+def test_a_model_returned_by_apply_keeps_its_api_and_leaves_the_original_plain():
+    model, batch = realzoo.gpt2()
+    model.train()
+    remat = rematlab.apply(model, "every:1", example_input=batch)
+    assert remat.config is model.config and hasattr(remat, "generate")
+    out = call(remat, batch)
+    out.loss.backward()
+    assert remat_of(remat).recompute.segments == 4  # each layer recomputed once in backward
+    assert remat.transformer.h[0] is model.transformer.h[0]  # shared layers, shared weights
+    call(model, detached(batch)).loss.backward()  # the original runs without checkpoints
+    assert remat_of(remat).recompute.segments == 4
+
+
+def test_segments_of_several_layers_are_refused_for_a_model_that_runs_its_own_loop():
+    model, batch = realzoo.gpt2()
+    with pytest.raises(ConfigError, match="own layer loop"):
+        rematlab.apply(model, "uniform:2", example_input=batch)
