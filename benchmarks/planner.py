@@ -24,12 +24,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from rematlab import Spec, measure, zoo
 from rematlab.exceptions import format_bytes
-from rematlab.planner import choose, profile
-from rematlab.plans import Plan, none_plan, simulate
-from rematlab.solver import solve
+from rematlab.planner import prepare
+from rematlab.plans import Plan, simulate
 
 CASES = [("mlp3", None, 2048), ("mlp5", None, 2048), ("mlp7", None, 2048),
          ("lenet5", None, 1024), ("alexnet", "cifar", 256), ("vgg16", "cifar", 256)]
@@ -92,13 +92,12 @@ def _compiled_rows(name: str, scale: str, batch: int, chain: list, x: torch.Tens
                    eager: dict, fractions: list[dict], tmp: Path, runs: list[dict]) -> list[str]:
     """Budgets between the compiled floor and the compiled unconstrained peak: the plan made
     for compilation (`plan(..., compile=True)`) run compiled, against the fraction search."""
-    costs = profile(chain, x, "momentum", compile=True)
-    solution = solve(costs)
-    full = simulate(none_plan(costs.n), costs)[0]
+    planning = prepare(nn.Sequential(*chain), x, compile=True)
+    solution, full = planning.solution, planning.full
     rows = []
     for frac in FRACTIONS:
         budget = int(solution.min_peak + frac * (full - solution.min_peak))
-        chosen = choose(chain, x, costs, budget, compile=True)
+        chosen = planning.choose(budget)
         path = tmp / f"{name}-compiled-{frac}.json"
         path.write_text(chosen.to_json())
         mine = _fresh(name, scale, batch, "--compile", "--plan", str(path))
@@ -119,9 +118,8 @@ def _brute_force_gap(n_max: int = 8) -> list[str]:
         net, shape, _ = zoo.resolve(name, scale)
         if len(net) > n_max:
             continue
-        costs = profile(list(net), torch.randn(batch, *shape), "momentum")
-        solution = solve(costs)
-        full = simulate(none_plan(costs.n), costs)[0]
+        planning = prepare(net, torch.randn(batch, *shape), verify=False)
+        costs, solution, full = planning.costs, planning.solution, planning.full
         cands = [simulate(Plan(costs.n, items), costs) for items in all_plans(0, costs.n)]
         for frac in FRACTIONS:
             budget = int(solution.min_peak + frac * (full - solution.min_peak))
@@ -142,11 +140,10 @@ def run(quick: bool) -> str:
     for name, scale, batch in CASES:
         net, shape, _ = zoo.resolve(name, scale)
         x = torch.randn(batch, *shape)
-        costs = profile(list(net), x, "momentum")
-        solution = solve(costs)
-        full = simulate(none_plan(costs.n), costs)[0]
+        planning = prepare(net, x)
+        solution, full = planning.solution, planning.full
         budgets = [int(solution.min_peak + f * (full - solution.min_peak)) for f in FRACTIONS]
-        chosen = [choose(list(net), x, costs, b) for b in budgets]
+        chosen = [planning.choose(b) for b in budgets]
         paths, by_plan = [], {}  # the same plan at two budgets is measured once
         for frac, plan in zip(FRACTIONS, chosen, strict=True):
             if plan.describe() not in by_plan:

@@ -77,3 +77,62 @@ def test_compile_with_predict_is_refused_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: --compile needs measured costs")
     assert proc.stderr.count("\n") == 1
+
+
+MODELS_PY = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def gpt2():
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                      n_positions=32, bos_token_id=0, eos_token_id=0))
+
+
+def batch(b):
+    ids = torch.randint(0, 64, (b, 16))
+    return {"input_ids": ids, "labels": ids}
+
+
+def broken(b):
+    raise RuntimeError("no data here")
+'''
+
+
+def _cli(args, cwd):
+    return subprocess.run([sys.executable, "-m", "rematlab.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def test_plan_and_measure_a_transformers_model_from_the_current_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text(MODELS_PY)
+    proc = _cli(["plan", "--model", "mymodels:gpt2", "--example", "mymodels:batch", "--batch",
+                 "4", "--budget", "1GiB", "--json", "--out", "plan.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert "layers" in data["structure"] and data["measured_peak"] <= data["budget"]
+    assert data["plan_json"]["n_blocks"] == 4  # two layers, one block before, one after
+    proc = _cli(["measure", "--model", "mymodels:gpt2", "--input-shape", "16", "--input-dtype",
+                 "int64", "--vocab", "64", "--batch", "4", "--strategy", "plan:plan.json",
+                 "--blocks", "transformer.h", "--repeats", "1", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["outcome"] == "ok"
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--example", "mymodels:broken"], "example factory 'mymodels:broken' failed"),
+    (["--example", "mymodels:nothing"], "cannot load example factory"),
+    (["--input-shape", "16", "--input-dtype", "int64"], "vocabulary size"),
+    (["--input-shape", "16", "--input-dtype", "int64", "--vocab", "64", "--blocks", "nope"],
+     "has no submodule 'nope'"),
+    (["--example", "mymodels:batch", "--budget", "1KiB"], "is infeasible"),
+    (["--example", "mymodels:batch", "--budget", "1e999GiB"], "memory size"),
+])
+def test_bad_input_for_a_real_model_is_one_line_and_exit_2(tmp_path, args, needle):
+    (tmp_path / "mymodels.py").write_text(MODELS_PY)
+    if "--budget" not in args:
+        args = [*args, "--budget", "1GiB"]
+    proc = _cli(["plan", "--model", "mymodels:gpt2", "--batch", "4", *args], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines

@@ -111,7 +111,7 @@ def test_the_repeated_layers_are_found_by_class_or_by_name():
         [f"transformer.h.{i}" for i in range(4)]
     bert, _ = realzoo.bert()
     assert len(find_layers(bert)) == 4
-    with pytest.raises(ConfigError, match="no submodule 'transformer.nope'"):
+    with pytest.raises(ConfigError, match=r"no submodule 'transformer\.nope'"):
         find_layers(gpt, "transformer.nope")
 
 

@@ -4,6 +4,7 @@ import torch
 from rematlab import zoo
 from rematlab.chain import meta_copy
 from rematlab.exceptions import ConfigError
+from rematlab.steps import make_example
 
 
 def _count(model: torch.nn.Module) -> int:
@@ -39,11 +40,15 @@ def test_mlp_depth_is_number_of_linear_layers():
         assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == depth
 
 
-def test_user_factory_is_loaded_and_needs_a_shape():
+def test_user_factory_is_loaded_and_needs_a_shape_or_a_batch_factory():
     model, shape, _ = zoo.resolve("tests.userzoo:tiny", input_shape=(4,))
     assert shape == (4,) and isinstance(model, torch.nn.Module)
+    assert zoo.resolve("tests.userzoo:tiny")[1] is None
     with pytest.raises(ConfigError, match="input shape"):
-        zoo.resolve("tests.userzoo:tiny")
+        make_example(8, None)
+    assert make_example(8, (4,)).shape == (8, 4)
+    ids = make_example(8, (16,), input_dtype="int64", vocab=50)
+    assert ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 50
     with pytest.raises(ConfigError, match="cannot load"):
         zoo.resolve("tests.userzoo:missing", input_shape=(4,))
 

@@ -62,6 +62,20 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+InputDtype = Annotated[str, typer.Option(
+    help="dtype of generated inputs: float32, ..., or int64 for token ids (with --vocab)")]
+Vocab = Annotated[int | None, typer.Option(help="token ids are drawn below this")]
+Example = Annotated[str | None, typer.Option(
+    help="batch factory module:fn, fn(batch) -> tensor, tuple or dict (e.g. input_ids, "
+         "attention_mask, labels); modules resolve from the current directory")]
+Blocks = Annotated[str | None, typer.Option(
+    help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
+
+
+def _blocks(text: str | None) -> list[str] | None:
+    return [b.strip() for b in text.split(",") if b.strip()] if text else None
+
+
 def _shape(text: str | None) -> tuple[int, ...] | None:
     from rematlab.zoo import parse_shape
 
@@ -77,6 +91,10 @@ def measure(
                                                "sqrt, plan:FILE.json")] = "none",
     input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
     input_shape: Annotated[str | None, typer.Option(help="per-sample shape, e.g. 3,32,32")] = None,
+    input_dtype: InputDtype = "float32",
+    vocab: Vocab = None,
+    example: Example = None,
+    blocks: Blocks = None,
     device: str = "cpu",
     dtype: str = "float32",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam")] = "momentum",
@@ -93,7 +111,9 @@ def measure(
     spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
                 input_shape=_shape(input_shape), device=device, dtype=dtype,
                 optimizer=optimizer, warmup=warmup, repeats=repeats, threads=threads,
-                max_memory=parse_bytes(max_memory) if max_memory else None)
+                max_memory=parse_bytes(max_memory) if max_memory else None, example=example,
+                input_dtype=None if input_dtype == "float32" else input_dtype, vocab=vocab,
+                blocks=blocks)
     obs = run(spec)
     summary = obs.summary()
     if as_json:
@@ -128,6 +148,10 @@ def plan_cmd(
     batch: int = 32,
     input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
     input_shape: Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")] = None,
+    input_dtype: InputDtype = "float32",
+    vocab: Vocab = None,
+    example: Example = None,
+    blocks: Blocks = None,
     device: str = "cpu",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
     predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
@@ -137,29 +161,25 @@ def plan_cmd(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The fastest checkpointing plan whose whole-step peak fits the budget."""
-    import torch
-
     from rematlab import zoo
-    from rematlab.chain import find_chain
     from rematlab.measure import parse_device
-    from rematlab.planner import choose, compare, profile
+    from rematlab.planner import prepare
+    from rematlab.steps import make_example
 
-    if batch <= 0:
-        raise ConfigError(f"batch must be a positive integer, got {batch}")
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
     limit = parse_bytes(budget)
     dev = parse_device(device)
     net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
-    net = net.to(dev).train()
-    x = torch.randn(batch, *shape, device=dev)
-    opt = None if optimizer == "none" else optimizer
-    blocks = find_chain(net, x).blocks
-    costs = profile(blocks, x, opt, predict=predict, compile=compile)
-    chosen = choose(blocks, x, costs, limit, verify=not predict, compile=compile)
-    rows = compare(costs, limit)
+    x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
+                     device=dev)
+    planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
+                       else optimizer, blocks=_blocks(blocks), predict=predict, compile=compile)
+    chosen = planning.choose(limit)
+    rows = planning.baselines(limit)
     none_time = rows[0]["time"]
-    summary = {"plan": chosen.describe(), "budget": limit, "predicted_peak": chosen.predicted_peak,
+    summary = {"plan": chosen.describe(), "structure": planning.structure.describe(),
+               "budget": limit, "predicted_peak": chosen.predicted_peak,
                "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
                "predicted_overhead": chosen.predicted_time / none_time - 1.0,
                "baselines": rows, "plan_json": json.loads(chosen.to_json())}
@@ -168,6 +188,7 @@ def plan_cmd(
     if as_json:
         _print_json(summary)
         return
+    console.print(f"{type(net).__name__}: {planning.structure.describe()}")
     console.print(f"plan: {chosen.describe()}")
     console.print(f"predicted peak {format_bytes(chosen.predicted_peak or 0)}"
                   + (f", measured {format_bytes(chosen.measured_peak)}"
@@ -188,7 +209,6 @@ def plan_cmd(
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
     if compile:
         console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
-
 
 
 @app.command("sweep")

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.chain import profile_block, block_input, optimizer_memory, preserved
+from rematlab.chain import block_input, optimizer_memory, preserved, profile_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans import ChainCosts, Plan, none_plan
 from rematlab.probes import LiveTensorTracker, clock_for
@@ -68,7 +68,8 @@ def find_layers(model: nn.Module, names: str | list[str] | None = None
     modules = dict(model.named_modules())
     if names:
         found: list[tuple[str, nn.Module]] = []
-        for name in [names] if isinstance(names, str) else names:
+        for name in names.split(",") if isinstance(names, str) else names:
+            name = name.strip()
             if name not in modules or not name:
                 stacks = ", ".join(_stack_names(model)[:5]) or "none found"
                 raise ConfigError(f"{type(model).__name__} has no submodule {name!r}; layer "

@@ -20,6 +20,7 @@ outcome, `oom`, not a crash.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import platform
 import socket
@@ -30,13 +31,22 @@ from datetime import datetime, timezone
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, SimulatedOOM
+from rematlab.layers import remat_of
 from rematlab.probes import Clock, CpuAllocatorTrace, LiveTensorTracker, clock_for, storage_key
-from rematlab.steps import OPTIMIZERS, make_optimizer
+from rematlab.steps import (
+    INPUT_DTYPES,
+    OPTIMIZERS,
+    call,
+    cast,
+    default_loss,
+    make_example,
+    make_optimizer,
+    tensors,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -70,6 +80,11 @@ class Spec:
     max_memory: int | None = None
     threads: int | None = None
     seed: int = 0
+    # a user's model beyond the zoo: its batches, and the layers its own loop runs
+    example: str | None = None  # module:fn, fn(batch) -> tensor, tuple or dict
+    input_dtype: str | None = None  # e.g. int64: token ids below `vocab`
+    vocab: int | None = None
+    blocks: str | None = None  # e.g. transformer.h
 
     def validate(self) -> Spec:
         """Check every field; return the spec with the zoo's default input filled in."""
@@ -97,13 +112,24 @@ class Spec:
         if ":" not in self.model:
             raise ConfigError(f"unknown model {self.model!r}; choose one of "
                               f"{sorted(zoo.REGISTRY)} or give module.path:factory")
-        if self.input_shape is None:
-            raise ConfigError(f"model {self.model!r} needs an input shape")
+        if self.input_shape is None and self.example is None:
+            raise ConfigError(f"model {self.model!r} needs an input shape (--input-shape) or "
+                              "a batch factory (--example module:fn)")
+        if self.input_dtype is not None and self.input_dtype not in INPUT_DTYPES:
+            raise ConfigError(f"unknown input dtype {self.input_dtype!r}; choose one of "
+                              f"{sorted(INPUT_DTYPES)}")
+        if self.vocab is not None and self.vocab <= 0:
+            raise ConfigError(f"vocab must be positive, got {self.vocab}")
         return self
 
     def to_dict(self) -> dict:
+        """Every field; the user-model fields only when set, so that the identity (hash) of
+        a zoo configuration stays what it was before they existed."""
         d = asdict(self)
         d["input_shape"] = list(self.input_shape) if self.input_shape else None
+        for key in _USER_FIELDS:
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod
@@ -112,6 +138,9 @@ class Spec:
         if d.get("input_shape"):
             d["input_shape"] = tuple(d["input_shape"])
         return cls(**d)
+
+
+_USER_FIELDS = ("example", "input_dtype", "vocab", "blocks")
 
 
 @dataclass
@@ -228,30 +257,36 @@ def _cpu_model() -> str:
 
 
 class _Setup:
-    """Model, optimizer and synthetic batch of one configuration, on its device."""
+    """Model, optimizer and synthetic batch of one configuration, on its device; `remat` is
+    the runner of the plan (its blocks, plan and recompute stats), `run` the model to call."""
 
-    def __init__(self, spec: Spec, device: torch.device) -> None:
+    def __init__(self, spec: Spec, device: torch.device, clock: Clock) -> None:
         dtype = DTYPES[spec.dtype]
         torch.manual_seed(spec.seed)
         model, shape, _ = zoo.resolve(spec.model, spec.input, spec.input_shape)
-        self.model = model.to(device=device, dtype=dtype).eval()
-        self.data = torch.randn(spec.batch, *shape, device=device, dtype=dtype)
-        with torch.no_grad():  # eval: one sample is fine for BatchNorm, no stats updated
-            classes = self.model(self.data[:1]).shape[-1]
-        self.model.train()
-        self.labels = torch.randint(0, classes, (spec.batch,), device=device)
-        self.remat = strategies.apply(self.model, spec.strategy, example_input=self.data)
+        self.model = model.to(device=device, dtype=dtype).train()
+        self.batch = cast(make_example(spec.batch, shape, input_dtype=spec.input_dtype or
+                                       "float32", vocab=spec.vocab, example=spec.example,
+                                       device=device, seed=spec.seed), dtype)
+        self.run = strategies.apply(self.model, spec.strategy, blocks=spec.blocks,
+                                    example_input=self.batch)
+        self.remat = self.run if isinstance(self.run, strategies.RematChain) else \
+            remat_of(self.run)
+        # its own instance of the step's kind of clock: recomputation is timed inside backward,
+        # which the step's clock is timing at the same moment
+        self.remat.recompute.clock = copy.copy(clock)
         self.opt = make_optimizer(spec.optimizer, self.model.parameters())
 
     def persistent(self) -> list[torch.Tensor]:
         state = [t for s in self.opt.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor)]
-        return [*self.model.parameters(), *self.model.buffers(), *state, self.data, self.labels]
+        return [*self.model.parameters(), *self.model.buffers(), *state, *tensors(self.batch)]
 
 
 def _step(s: _Setup, clock: Clock, around: Callable[[str], object] | None = None
           ) -> dict[str, float]:
-    """One training step; `around(phase)` may return a context manager wrapping the phase."""
+    """One training step; `around(phase)` may return a context manager wrapping the phase.
+    The output stays alive until the step ends, as in a user's loop."""
     def ctx(phase: str):
         return around(phase) if around else contextlib.nullcontext()
 
@@ -260,7 +295,8 @@ def _step(s: _Setup, clock: Clock, around: Callable[[str], object] | None = None
     times = {}
     clock.start()
     with ctx("forward"):
-        loss = F.cross_entropy(s.remat(s.data), s.labels)
+        out = call(s.run, s.batch)
+        loss = default_loss(out, s.batch)
     times["forward"] = clock.stop()
     clock.start()
     with ctx("backward"):
@@ -270,6 +306,7 @@ def _step(s: _Setup, clock: Clock, around: Callable[[str], object] | None = None
     with ctx("optimizer"):
         s.opt.step()
     times["optimizer"] = clock.stop()
+    del out, loss
     times["recompute"] = s.remat.recompute.seconds
     times["step"] = times["forward"] + times["backward"] + times["optimizer"]
     return times
@@ -351,7 +388,8 @@ class _Tracked:
 
     def _saved_probe(self):
         s = self.s
-        excluded = {storage_key(t) for t in [*s.model.parameters(), *s.model.buffers(), s.data]}
+        excluded = {storage_key(t) for t in [*s.model.parameters(), *s.model.buffers(),
+                                             *tensors(s.batch)]}
         seen: dict = {}
 
         def note(t: torch.Tensor) -> None:
@@ -409,7 +447,7 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
     }
     setup = None
     try:
-        setup = _Setup(spec, device)
+        setup = _Setup(spec, device, clock)
         _Tracked(setup, device, spec.max_memory, count=False).run()  # warm-up 1, capped
         counted = _Tracked(setup, device, None, count=True)
         counted.run()  # warm-up 2: FLOPs and saved bytes

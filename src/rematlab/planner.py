@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,20 +25,79 @@ from torch import nn
 from rematlab.chain import compiled, compiling, preserved, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, parse_bytes
 from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
-from rematlab.plans import ChainCosts, Plan, simulate
+from rematlab.plans import (
+    ChainCosts,
+    Plan,
+    none_plan,
+    per_layer_plan,
+    selective_per_layer,
+    selective_plan,
+    simulate,
+    sqrt_plan,
+    uniform_plan,
+)
 from rematlab.probes import LiveTensorTracker, allocator_trace
 from rematlab.solver import Solution, solve
 from rematlab.steps import LossFn, call, check_batch, detached, step, tensors, to_device
 from rematlab.strategies import RematChain, apply
-from rematlab.structure import structure
+from rematlab.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6
 
 
-def plan(
+@dataclass
+class Planning:
+    """One model at one batch, profiled and solved once; a plan for any budget from it.
+
+    `prepare` finds the structure, moves the batch, profiles and solves; `choose(budget)`
+    picks and (unless predicting) verifies by measurement; `baselines(budget)` simulates the
+    fixed strategies side by side. `rematlab.plan`, `rematlab plan` and the study's planner
+    stage all go through it."""
+
+    model: nn.Module
+    structure: Structure
+    batch: Any
+    costs: ChainCosts
+    solution: Solution
+    verify: bool
+    compile: bool
+    loss_fn: LossFn | None
+
+    @property
+    def floor(self) -> int:
+        """The model's smallest step peak (the measured floor can be higher)."""
+        return self.solution.min_peak
+
+    @property
+    def full(self) -> int:
+        """The simulated step peak with every activation kept."""
+        return simulate(none_plan(self.costs.n), self.costs)[0]
+
+    def choose(self, budget: str | int) -> Plan:
+        limit = parse_bytes(budget)
+        name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
+        chosen = replace(_first_pick(self.solution, limit, self.verify), compiled=self.compile,
+                         name=name)
+        if not self.verify:
+            return chosen
+        return _verified(self.solution, chosen, limit, self.measure)
+
+    def measure(self, chosen: Plan) -> int:
+        """The measured step peak of `chosen` (see `step_peak`)."""
+        if self.structure.kind == "layers":
+            return measure_layers_peak(self.model, self.structure.blocks, chosen, self.batch,
+                                       self.costs, self.loss_fn)
+        return measure_peak(self.structure.blocks, chosen, self.batch, self.costs,
+                            self.loss_fn)
+
+    def baselines(self, budget: int | None = None) -> list[dict]:
+        """Simulated peak and time of the fixed strategies this model can run."""
+        return compare(self.costs, budget, per_layer=self.structure.kind == "layers")
+
+
+def prepare(
     model: nn.Module,
     example_inputs: object,
-    budget: str | int,
     *,
     device: str | torch.device | None = None,
     optimizer: str | None = "momentum",
@@ -47,58 +106,50 @@ def plan(
     predict: bool = False,
     verify: bool = True,
     compile: bool = False,
-) -> Plan:
-    """The fastest plan whose whole-step peak fits `budget` (bytes or '6GiB').
-
-    The step is the user's (`rematlab.steps`): `example_inputs` is a batch (tensor, tuple or
-    dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
-    output stays alive until backward. `optimizer` (sgd, momentum, adam or None) adds its state
-    and step. `blocks` names the layers of a model that runs its own loop (see
-    `rematlab.structure`). `predict` plans a chain from meta-device costs (FLOPs stand in for
-    time) without running it. `compile` plans a chain for `torch.compile(apply(model, plan))`.
-    Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
-    feasible budget.
-    """
+) -> Planning:
+    """Profile and solve once (see `plan` for the arguments)."""
     check_batch(example_inputs)
     st = structure(model, example_inputs, blocks)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     batch = to_device(example_inputs, dev)
-    limit = parse_bytes(budget)
+    repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":
         if predict or compile:
             raise ConfigError(f"{type(model).__name__} runs its own layer loop ({st.describe()}):"
                               " its layers are profiled on the device, not predicted or compiled")
         costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
-                               repeats=1 if dev.type == "cpu" else 3)
+                               repeats=repeats)
         solution = solve(costs, allowed=lambda s, k: single_layer(s, k, costs.n))
-        chosen = replace(_first_pick(solution, limit, verify), name="per-layer optimal")
-        if not verify:
-            return chosen
-        return _verified(solution, chosen, limit,
-                         lambda p: measure_layers_peak(model, st.blocks, p, batch, costs,
-                                                       loss_fn))
-    costs = profile(st.blocks, batch, optimizer, predict=predict, compile=compile)
-    return choose(st.blocks, batch, costs, limit, verify=verify and not predict,
-                  compile=compile, loss_fn=loss_fn)
+    else:
+        if not isinstance(batch, torch.Tensor):
+            raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
+                              "with several inputs")
+        costs = profile_chain(st.blocks, batch, device=torch.device("meta") if predict else dev,
+                              optimizer=optimizer, repeats=repeats, compile=compile)
+        solution = solve(costs)
+    return Planning(model, st, batch, costs, solution, verify and not predict, compile, loss_fn)
 
 
-def choose(chain: list[nn.Module], x: torch.Tensor, costs: ChainCosts, limit: int,
-           verify: bool = True, compile: bool = False, loss_fn: LossFn | None = None) -> Plan:
-    """Solve over `costs` and pick the fastest plan under `limit`, checked by measurement
-    on `x`'s device when `verify` (compiled when `compile`)."""
-    solution = solve(costs)
-    chosen = replace(_first_pick(solution, limit, verify), compiled=compile)
-    if not verify:
-        return chosen
-    return _verified(solution, chosen, limit,
-                     lambda p: measure_peak(chain, p, x, costs, loss_fn))
+def plan(
+    model: nn.Module,
+    example_inputs: object,
+    budget: str | int,
+    **kwargs: Any,
+) -> Plan:
+    """The fastest plan whose whole-step peak fits `budget` (bytes or '6GiB').
 
-
-def profile(chain: list[nn.Module], x: torch.Tensor, optimizer: str | None,
-            predict: bool = False, compile: bool = False) -> ChainCosts:
-    device = torch.device("meta") if predict else x.device
-    return profile_chain(chain, x, device=device, optimizer=optimizer, repeats=1 if
-                         x.device.type == "cpu" else 3, compile=compile)
+    The step is the user's (`rematlab.steps`): `example_inputs` is a batch (tensor, tuple or
+    dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
+    output stays alive until the step ends. Keywords: `optimizer` (sgd, momentum, adam or
+    None) adds its state and step; `blocks` names the layers of a model that runs its own loop
+    (see `rematlab.structure`); `device`; `loss_fn`; `predict` plans a chain from meta-device
+    costs (FLOPs stand in for time) without running it; `verify=False` skips the
+    measurement; `compile` plans a chain for `torch.compile(apply(model, plan))`.
+    Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
+    feasible budget.
+    """
+    limit = parse_bytes(budget)  # bad budgets fail before any profiling
+    return prepare(model, example_inputs, **kwargs).choose(limit)
 
 
 def _first_pick(solution: Solution, limit: int, verify: bool) -> Plan:
@@ -193,19 +244,25 @@ def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
     return max(peak, costs.optimizer_peak)
 
 
-def compare(costs: ChainCosts, budget: int | None = None) -> list[dict]:
+def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = False
+            ) -> list[dict]:
     """Simulated peak and time of the fixed strategies (and the best uniform count that fits
-    `budget`) on one chain: the rows of `rematlab plan`'s comparison table."""
-    from rematlab.plans import none_plan, selective_plan, sqrt_plan, uniform_plan
-
+    `budget`) on one chain: the rows of `rematlab plan`'s comparison table. `per_layer`: a
+    model running its own layer loop, where the baseline is every layer checkpointed
+    (transformers' gradient checkpointing) and selective's picks one layer each."""
     n = costs.n
     rows = []
     none_peak, none_time = simulate(none_plan(n), costs)
-    uniform = [uniform_plan(n, k) for k in range(2, n + 1)]
-    fitting = [p for p in uniform if budget is None or simulate(p, costs)[0] <= budget]
-    best_uniform = min(fitting or uniform, key=lambda p: simulate(p, costs)[1] if fitting
-                       else simulate(p, costs)[0])
-    for p in (none_plan(n), best_uniform, sqrt_plan(n), selective_plan(costs)):
+    if per_layer:
+        fixed = [none_plan(n), per_layer_plan(n, range(1, n - 1), "every:1"),
+                 selective_per_layer(costs)]
+    else:
+        uniform = [uniform_plan(n, k) for k in range(2, n + 1)]
+        fitting = [p for p in uniform if budget is None or simulate(p, costs)[0] <= budget]
+        best_uniform = min(fitting or uniform, key=lambda p: simulate(p, costs)[1] if fitting
+                           else simulate(p, costs)[0])
+        fixed = [none_plan(n), best_uniform, sqrt_plan(n), selective_plan(costs)]
+    for p in fixed:
         peak, time = simulate(p, costs)
         rows.append({"strategy": p.name, "peak": peak, "time": time,
                      "overhead": time / none_time - 1.0, "peak_ratio": peak / none_peak,

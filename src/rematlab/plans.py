@@ -230,6 +230,24 @@ def none_plan(n: int) -> Plan:
     return Plan(n, plain(0, n), name="none")
 
 
+def _selected(costs: ChainCosts, threshold: float, among: range) -> list[bool]:
+    """Blocks in `among` whose saved bytes per forward FLOP are at least `threshold` times the
+    average over `among` (see `selective_plan`)."""
+    stored = [costs.saved[i] + costs.x[i + 1] * costs.keeps_output[i] for i in range(costs.n)]
+    flops = costs.fwd_flops or costs.fwd_time
+    avg = sum(stored[i] for i in among) / max(sum(flops[i] for i in among), 1e-30)
+    return [i in among and stored[i] / max(flops[i], 1e-30) >= threshold * avg
+            for i in range(costs.n)]
+
+
+def selective_per_layer(costs: ChainCosts, threshold: float = 1.0) -> Plan:
+    """`selective` for a model running its own layer loop: the same rule over its layers
+    (blocks 1..n-2 of the pseudo-block chain), each picked layer checkpointed alone."""
+    pick = _selected(costs, threshold, range(1, costs.n - 1))
+    return per_layer_plan(costs.n, [i for i, p in enumerate(pick) if p],
+                          "selective" if threshold == 1.0 else f"selective:{threshold:g}")
+
+
 def selective_plan(costs: ChainCosts, threshold: float = 1.0) -> Plan:
     """Checkpoint the blocks whose saved bytes per forward FLOP are at least `threshold` times
     the chain's average, merging neighbours into one segment; the last block is never
@@ -240,10 +258,7 @@ def selective_plan(costs: ChainCosts, threshold: float = 1.0) -> Plan:
     wide early convolutions) are the cheap memory to give back.
     """
     n = costs.n
-    stored = [costs.saved[i] + costs.x[i + 1] * costs.keeps_output[i] for i in range(n)]
-    flops = costs.fwd_flops or costs.fwd_time
-    avg = sum(stored) / max(sum(flops), 1e-30)
-    pick = [stored[i] / max(flops[i], 1e-30) >= threshold * avg for i in range(n)]
+    pick = _selected(costs, threshold, range(n))
     pick[-1] = False
     items: list[Item] = []
     i = 0

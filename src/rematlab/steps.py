@@ -17,6 +17,9 @@ optimizer's state and step included.
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -153,3 +156,72 @@ def make_optimizer(name: str, params, lr: float = 0.01) -> torch.optim.Optimizer
     if name == "adam":
         return torch.optim.Adam(params, lr=lr * 0.1)
     raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+INPUT_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+
+
+def load_object(path: str, what: str) -> Any:
+    """`module.path:name` -> the object, importing from the current directory too (as
+    `python -m` does); any failure to import is a `ConfigError` naming `what` it was for."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {path!r} must look like module.path:name")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # ImportError, SyntaxError, errors raised while importing
+        raise ConfigError(f"cannot load {what} {path!r}: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not callable(obj):
+        raise ConfigError(f"{what} {path!r} is not callable")
+    return obj
+
+
+def make_example(batch: int, shape: tuple[int, ...] | None = None, *,
+                 input_dtype: str = "float32", vocab: int | None = None,
+                 example: str | None = None, device: torch.device | None = None,
+                 seed: int = 0) -> Batch:
+    """A synthetic batch: `example(batch)` from a user's factory (any batch form), or a tensor
+    of `(batch, *shape)` — normal floats, or token ids below `vocab` for an integer dtype."""
+    if batch <= 0:
+        raise ConfigError(f"batch must be a positive integer, got {batch}")
+    gen = torch.Generator().manual_seed(seed)
+    if example is not None:
+        factory = load_object(example, "example factory")
+        try:
+            made = factory(batch)
+        except Exception as exc:
+            raise ConfigError(f"example factory {example!r} failed: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        check_batch(made)
+        return to_device(made, device) if device is not None else made
+    if shape is None:
+        raise ConfigError("give an input shape (--input-shape) or a batch factory (--example)")
+    if input_dtype not in INPUT_DTYPES:
+        raise ConfigError(f"unknown input dtype {input_dtype!r}; choose one of "
+                          f"{sorted(INPUT_DTYPES)}")
+    dtype = INPUT_DTYPES[input_dtype]
+    if dtype.is_floating_point:
+        x = torch.randn(batch, *shape, generator=gen).to(dtype)
+    else:
+        if not vocab or vocab <= 0:
+            raise ConfigError(f"integer inputs ({input_dtype}) need a vocabulary size, e.g. "
+                              "--vocab 50257")
+        x = torch.randint(0, vocab, (batch, *shape), generator=gen, dtype=dtype)
+    return x.to(device) if device is not None else x
+
+
+def cast(batch: Batch, dtype: torch.dtype) -> Batch:
+    """Floating tensors of a batch in the model's dtype; token ids and masks as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: cast(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cast(v, dtype) for v in batch)
+    return batch

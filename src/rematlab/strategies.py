@@ -201,9 +201,7 @@ def layer_plan(strat: Strategy | Plan, st: Structure, model: nn.Module, example:
         if example is None:
             raise ConfigError("strategy 'selective' needs an example batch to profile layers")
         costs = profile_layers(model, example, st.blocks, repeats=0)
-        picked = plans.selective_plan(costs, 1.0 if strat.arg is None else strat.arg)
-        chosen = [i for s in picked.segments for i in range(s.start, s.end) if 0 < i < n - 1]
-        return plans.per_layer_plan(n, chosen, str(strat))
+        return plans.selective_per_layer(costs, 1.0 if strat.arg is None else strat.arg)
     raise ConfigError(f"strategy {strat} needs segments of several blocks, which "
                       f"{type(model).__name__}'s own layer loop cannot run; use none, every:1, "
                       "selective or an optimal plan (rematlab.plan)")

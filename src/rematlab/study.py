@@ -166,9 +166,8 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     the floor and the unconstrained peak, verified, then measured as a training step."""
     from rematlab import zoo
     from rematlab.measure import Spec, measure
-    from rematlab.planner import choose, profile
+    from rematlab.planner import prepare
     from rematlab.plans import none_plan, simulate
-    from rematlab.solver import solve
 
     device = torch.device(grid.devices[0])
     rows = []
@@ -187,13 +186,13 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         net, shape, _ = zoo.resolve(spec.model, spec.input)
         net = net.to(device).train()
         x = torch.randn(batch, *shape, device=device)
-        costs = profile(list(net), x, spec.optimizer)
-        solution = solve(costs)
+        planning = prepare(net, x, optimizer=spec.optimizer)
+        solution, costs = planning.solution, planning.costs
         full, full_time = simulate(none_plan(costs.n), costs)
         budgets = {int(solution.min_peak + f * (full - solution.min_peak)): f
                    for f in settings.plan_fractions}  # one budget when floor == full
         for budget, frac in budgets.items():
-            chosen = choose(list(net), x, costs, budget)
+            chosen = planning.choose(budget)
             path = out / "plans" / f"{spec.model}-{spec.input}-b{batch}-{frac:g}.json"
             write_text(path, chosen.to_json())
             obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,

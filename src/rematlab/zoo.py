@@ -6,13 +6,13 @@ blocks, and a block boundary carries a single tensor. Shape comments are per sam
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from rematlab.exceptions import ConfigError
+from rematlab.steps import load_object
 
 
 def _block(*layers: nn.Module) -> nn.Sequential:
@@ -144,10 +144,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
 def resolve(
     model: str, scale: str | None = None, input_shape: tuple[int, ...] | None = None
 ) -> tuple[nn.Module, tuple[int, ...], str]:
-    """Build a zoo model or a user's `module.path:factory`; return it, its sample shape, scale.
-
-    A user model needs `input_shape` (per sample, no batch dimension).
-    """
+    """Build a zoo model or a user's `module.path:factory`; return it, its sample shape
+    (`input_shape`, per sample, for a user model: None when its batches come from a factory),
+    and the scale."""
     if model in REGISTRY:
         info = REGISTRY[model]
         scale = scale or info.default_scale
@@ -160,14 +159,12 @@ def resolve(
         raise ConfigError(
             f"unknown model {model!r}; choose one of {sorted(REGISTRY)} or give module.path:factory"
         )
-    module_name, _, attr = model.partition(":")
+    factory = load_object(model, "model factory")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot load model factory {model!r}: {exc}") from None
-    built = factory()
+        built = factory()
+    except Exception as exc:  # the user's code: any failure is reported, not a traceback
+        raise ConfigError(f"model factory {model!r} failed: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if not isinstance(built, nn.Module):
         raise ConfigError(f"model factory {model!r} returned {type(built).__name__}, not nn.Module")
-    if input_shape is None:
-        raise ConfigError(f"model {model!r} needs an input shape, e.g. --input-shape 3,32,32")
     return built, input_shape, scale or "custom"

@@ -1,0 +1,180 @@
+"""Real models, planned without wrappers: floor, unconstrained peak, the plan against the
+baselines a user has, simulated against measured peak, planning time.
+
+    python benchmarks/real_models.py [--quick] [--out docs/benchmarks/real-models.md]
+
+Models: tests/realzoo.py (GPT-2 and BERT from transformers configs, a ResNet with in-place
+ReLU, a U-Net, a decoder with several inputs), at sizes a 2-core CPU runs in minutes.
+Baselines that fit the same budget: for chains, every `uniform:N`; for models running their
+own layer loop, transformers' own `activation_checkpointing_enable(every_n_layers=k)` where
+the model supports it, else `every:1`. Peaks are rematlab's step peak of the user's step
+(output alive, momentum SGD state). Times are ratios to `none`, measured side by side in one
+process: interleaved rounds, each candidate's median over rounds, so a busy machine slows all
+candidates alike; a candidate whose spread across rounds exceeds 10 % is marked noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rematlab.exceptions import InfeasibleBudgetError, format_bytes  # noqa: E402
+from rematlab.planner import prepare  # noqa: E402
+from rematlab.plans import Plan, uniform_plan  # noqa: E402
+from rematlab.steps import call, default_loss, make_optimizer  # noqa: E402
+from rematlab.strategies import apply  # noqa: E402
+from tests import realzoo  # noqa: E402
+
+SIZES = {"gpt2": {"batch": 8, "seq": 128, "layers": 6}, "bert": {"batch": 8, "seq": 128,
+                                                                  "layers": 6},
+         "resnet": {"batch": 32, "size": 32}, "unet": {"batch": 8, "size": 64},
+         "decoder": {"batch": 16, "seq": 48}}
+FRACTIONS = (0.0, 0.5)
+NOISY = 0.10
+
+
+def _steps_time(model, batch, opt, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = call(model, batch)
+        default_loss(out, batch).backward()
+        opt.step()
+        del out
+    return (time.perf_counter() - t0) / steps
+
+
+def _side_by_side(runs: dict, batch, model, rounds: int, steps: int) -> dict[str, tuple]:
+    """Median seconds per step of each candidate over interleaved rounds, and the spread."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make_optimizer("momentum", model.parameters())
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for name, run in runs.items():  # warm-up
+        _steps_time(run(), batch, opt, 1)
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(_steps_time(run(), batch, opt, steps))
+    model.load_state_dict(state)
+    out = {}
+    for name, values in times.items():
+        med = statistics.median(values)
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else [med, med, med]
+        out[name] = (med, (q[2] - q[0]) / med)
+    return out
+
+
+def _hf_layers(model) -> bool:
+    return hasattr(model, "activation_checkpointing_enable") and getattr(
+        model, "supports_gradient_checkpointing", False)
+
+
+def bench(name: str, rounds: int, steps: int) -> tuple[list[str], list[str]]:
+    torch.manual_seed(0)
+    model, batch = realzoo.MODELS[name](**SIZES[name])
+    model.train()
+    t0 = time.perf_counter()
+    planning = prepare(model, batch)
+    try:
+        planning.choose(1)
+    except InfeasibleBudgetError as err:
+        floor = err.min_peak
+    full_plan = planning.choose(10 * 2**40)
+    plan_s = time.perf_counter() - t0
+    full = full_plan.measured_peak
+    st = planning.structure
+    n = planning.costs.n
+    rows, timing = [], []
+    for frac in FRACTIONS:
+        budget = int(floor + frac * (full - floor))
+        t1 = time.perf_counter()
+        chosen = planning.choose(budget)
+        choose_s = time.perf_counter() - t1
+        runs = {"none": lambda: model,
+                "plan": lambda chosen=chosen: apply(model, chosen, example_input=batch)}
+        fitting: list[tuple[str, int]] = []
+        if st.kind == "chain":
+            for k in range(2, n + 1):
+                p = uniform_plan(n, k)
+                peak = planning.measure(p)
+                if peak <= budget:
+                    fitting.append((f"uniform:{k}", peak))
+                    runs[f"uniform:{k}"] = lambda p=p: apply(model, p, example_input=batch)
+        elif _hf_layers(model):
+            layers = len(st.blocks)
+            for k in range(1, layers + 1):
+                model.activation_checkpointing_enable(every_n_layers=k)
+                peak = planning.measure(Plan(n, tuple(range(n))))  # none of ours: HF's own
+                model.activation_checkpointing_disable()
+                if peak <= budget:
+                    fitting.append((f"HF every_n_layers={k}", peak))
+
+                    def hf(k: int = k):
+                        model.activation_checkpointing_disable()
+                        model.activation_checkpointing_enable(every_n_layers=k)
+                        return model
+                    runs[f"HF every_n_layers={k}"] = hf
+        else:
+            every = apply(model, "every:1", example_input=batch)
+            peak = planning.measure(every._rematlab.plan)
+            if peak <= budget:
+                fitting.append(("every:1", peak))
+                runs["every:1"] = lambda: apply(model, "every:1", example_input=batch)
+        if _hf_layers(model):
+            runs["none"] = lambda: (model.activation_checkpointing_disable(), model)[1]
+        got = _side_by_side(runs, batch, model, rounds, steps)
+        if _hf_layers(model):
+            model.activation_checkpointing_disable()
+        base = got["none"][0]
+        best = min((got[f][0] / base, f, peak) for f, peak in fitting) if fitting else None
+        sim_err = (chosen.predicted_peak - chosen.measured_peak) / chosen.measured_peak
+        noisy = [k for k, (_, spread) in got.items() if spread > NOISY]
+        rows.append(
+            f"| {name} | {st.kind} ({len(st.blocks)}) | {format_bytes(floor)} | "
+            f"{format_bytes(full)} | {format_bytes(budget)} | `{chosen.describe()}` | "
+            f"{format_bytes(chosen.predicted_peak)} / {format_bytes(chosen.measured_peak)} "
+            f"({sim_err:+.1%}) | {got['plan'][0] / base:.3f}x | "
+            + (f"{best[1]}: {best[0]:.3f}x ({format_bytes(best[2])})" if best else "none fits")
+            + f" | {plan_s:.1f} s + {choose_s:.1f} s |")
+        timing.append(f"| {name} | {format_bytes(budget)} | " + ", ".join(
+            f"{k} {v[0] * 1e3:.1f} ms ±{v[1]:.0%}" for k, v in got.items())
+            + (f" | noisy: {', '.join(noisy)}" if noisy else " | ") + " |")
+    return rows, timing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round, one step")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rounds, steps = (2, 1) if args.quick else (5, 3)
+    torch.set_num_threads(2)
+    lines = ["| model | driven as (blocks) | floor | unconstrained | budget | plan | "
+             "simulated / measured peak | plan time / none | best baseline that fits | "
+             "planning (prepare + choose) |", "|---" * 10 + "|"]
+    timing = ["| model | budget | median step time ± spread (IQR / median) | noisy |",
+              "|---|---|---|---|"]
+    t0 = time.perf_counter()
+    for name in realzoo.MODELS:
+        r, t = bench(name, rounds, steps)
+        lines += r
+        timing += t
+        print(r, flush=True)
+    text = "\n".join(lines) + "\n\nRaw times:\n\n" + "\n".join(timing) + (
+        f"\n\nWall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads.\n")
+    if args.out:
+        from rematlab.files import write_text
+
+        write_text(args.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
