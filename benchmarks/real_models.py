@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rematlab.exceptions import InfeasibleBudgetError, format_bytes  # noqa: E402
-from rematlab.planner import prepare  # noqa: E402
-from rematlab.plans import Plan, uniform_plan  # noqa: E402
-from rematlab.steps import call, default_loss, make_optimizer  # noqa: E402
-from rematlab.strategies import apply  # noqa: E402
-from tests import realzoo  # noqa: E402
+from rematlab.exceptions import InfeasibleBudgetError, format_bytes
+from rematlab.planner import prepare
+from rematlab.plans import Plan, uniform_plan
+from rematlab.steps import call, default_loss, make_optimizer
+from rematlab.strategies import apply
+from tests import realzoo
 
 SIZES = {"gpt2": {"batch": 8, "seq": 128, "layers": 6}, "bert": {"batch": 8, "seq": 128,
                                                                   "layers": 6},
@@ -56,7 +56,7 @@ def _side_by_side(runs: dict, batch, model, rounds: int, steps: int) -> dict[str
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = make_optimizer("momentum", model.parameters())
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for name, run in runs.items():  # warm-up
+    for run in runs.values():  # warm-up
         _steps_time(run(), batch, opt, 1)
     for _ in range(rounds):
         for name, run in runs.items():

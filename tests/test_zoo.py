@@ -48,7 +48,7 @@ def test_user_factory_is_loaded_and_needs_a_shape_or_a_batch_factory():
         make_example(8, None)
     assert make_example(8, (4,)).shape == (8, 4)
     ids = make_example(8, (16,), input_dtype="int64", vocab=50)
-    assert ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 50
+    assert ids.dtype == torch.int64 and ids.min() >= 0 and ids.max() < 50
     with pytest.raises(ConfigError, match="cannot load"):
         zoo.resolve("tests.userzoo:missing", input_shape=(4,))
 
