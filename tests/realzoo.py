@@ -9,7 +9,8 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 
 def gpt2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
-    cfg = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=97, n_positions=64,
+    cfg = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=97,
+                     n_positions=max(64, seq),
                      bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     ids = torch.randint(0, 97, (batch, seq))
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
@@ -17,7 +18,8 @@ def gpt2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dic
 
 def bert(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
     cfg = BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
-                     intermediate_size=128, vocab_size=97, max_position_embeddings=64,
+                     intermediate_size=128, vocab_size=97,
+                     max_position_embeddings=max(64, seq),
                      num_labels=3, pad_token_id=0, attn_implementation="eager")
     ids = torch.randint(1, 97, (batch, seq))
     mask = torch.ones(batch, seq, dtype=torch.long)

@@ -5,14 +5,13 @@ checkpointing for a memory budget, `auto` (plan per input shape on the fly), `lo
 dataset, `predict` step time and peak memory.
 """
 
-__version__ = "0.1.0"
-
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
 from rematlab.measure import Observation, Spec, measure
 from rematlab.planner import auto, plan
 from rematlab.plans import Plan
 from rematlab.store import load
 from rematlab.strategies import apply, parse
+from rematlab.version import __version__
 
 
 def __getattr__(name: str):
@@ -32,6 +31,7 @@ __all__ = [
     "Predictor",
     "RematlabError",
     "Spec",
+    "__version__",
     "apply",
     "auto",
     "load",

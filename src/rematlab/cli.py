@@ -37,14 +37,16 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def handles_errors(fn: Callable) -> Callable:
-    """User errors become one line on stderr and exit status 2, never a traceback."""
+    """User errors become one line on stderr and exit status 2, never a traceback. Only
+    rematlab's own errors and the OS refusing a path are user errors: anything else is a bug
+    and keeps its traceback."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, RematlabError, ValueError, FileNotFoundError,
-                PermissionError, IsADirectoryError) as exc:
+        except (RematlabError, FileNotFoundError, PermissionError, IsADirectoryError,
+                NotADirectoryError) as exc:
             _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     return wrapper

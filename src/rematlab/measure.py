@@ -47,6 +47,7 @@ from rematlab.steps import (
     make_optimizer,
     tensors,
 )
+from rematlab.version import __version__
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -225,8 +226,6 @@ def parse_device(text: str) -> torch.device:
 
 def environment(device: torch.device) -> dict[str, str | int | None]:
     """Where a figure was measured (stored with every row)."""
-    from rematlab import __version__
-
     cuda = device.type == "cuda"
     vendor = "CPU"
     if cuda:
@@ -500,3 +499,18 @@ def _figures(s: _Setup, tracked: _Tracked) -> dict[str, float]:
         "plan": s.remat.plan.describe(),
     }
 
+
+def run_config(spec_dict: dict) -> dict:
+    """Measure one configuration in whatever process calls this (a sweep's child process, a
+    Ray task) -> its rows and measured seconds; a bad spec is a recorded `error` row."""
+    spec = Spec.from_dict(spec_dict)
+    try:
+        obs = measure(spec)
+    except ConfigError as exc:
+        return {"rows": [failed_row(spec, "error", str(exc))], "measured_s": 0.0}
+    return {"rows": obs.rows(), "measured_s": obs.measured_seconds}
+
+
+def failed_row(spec: Spec, outcome: str, message: str) -> dict:
+    """The one row a configuration that produced no measurement leaves in the dataset."""
+    return Observation(spec=spec, outcome=outcome, error=message).rows()[0]

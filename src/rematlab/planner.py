@@ -112,6 +112,8 @@ def prepare(
     st = structure(model, example_inputs, blocks)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     batch = to_device(example_inputs, dev)
+    if not predict:
+        _runs_on(model, batch)
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":
         if predict or compile:
@@ -128,6 +130,19 @@ def prepare(
                               optimizer=optimizer, repeats=repeats, compile=compile)
         solution = solve(costs)
     return Planning(model, st, batch, costs, solution, verify and not predict, compile, loss_fn)
+
+
+def _runs_on(model: nn.Module, batch: Any) -> None:
+    """One no-grad forward on the example (state restored): a model that cannot run the
+    user's batch (wrong shape, dtype, device) is bad input, said in one line, before any
+    profiling."""
+    try:
+        with torch.no_grad(), preserved(model):
+            call(model, batch)
+    except Exception as exc:
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"{type(model).__name__} fails on the example batch: "
+                          f"{type(exc).__name__}: {message}") from exc
 
 
 def plan(

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 
 from rematlab.exceptions import ConfigError
-from rematlab.measure import Spec
+from rematlab.measure import Spec, failed_row, run_config
 
 
 def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
@@ -23,8 +23,6 @@ def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict],
     except ImportError:
         raise ConfigError("the Ray backend needs the optional extra: pip install "
                           "'rematlab[ray]'") from None
-    from rematlab.sweep import _failed_row, run_config
-
     started_here = not ray.is_initialized()
     if started_here:
         kwargs = {"address": address} if address else {"num_cpus": os.cpu_count() or 1}
@@ -46,7 +44,7 @@ def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict],
                 ref = next(iter(pending))
                 ray.cancel(ref, force=True)
                 spec = pending.pop(ref)
-                record(spec, {"rows": [_failed_row(spec, "error", f"timeout after "
+                record(spec, {"rows": [failed_row(spec, "error", f"timeout after "
                                                    f"{timeout:g} s")], "measured_s": 0.0})
                 continue
             ref = ready[0]
@@ -54,7 +52,7 @@ def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict],
             try:
                 out = ray.get(ref)
             except Exception as exc:  # a crashed worker is a recorded result
-                out = {"rows": [_failed_row(spec, "error", f"ray task failed: {exc}"[:500])],
+                out = {"rows": [failed_row(spec, "error", f"ray task failed: {exc}"[:500])],
                        "measured_s": 0.0}
             record(spec, out)
     finally:

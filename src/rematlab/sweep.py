@@ -26,7 +26,7 @@ import pandas as pd
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
-from rematlab.measure import Spec
+from rematlab.measure import Spec, failed_row, run_config
 from rematlab.store import Store, config_id
 
 ProgressFn = Callable[[Spec, str, int, int], None]  # spec, outcome, done, total
@@ -66,24 +66,6 @@ class SweepResult:
         df = self.frame()
         df = df[df["outcome"] == "ok"]
         return df.loc[df[metric].idxmin() if mode == "min" else df[metric].idxmax()]
-
-
-def run_config(spec_dict: dict) -> dict:
-    """Measure one configuration (in whatever process calls this) -> rows and timings."""
-    from rematlab.measure import measure
-
-    spec = Spec.from_dict(spec_dict)
-    try:
-        obs = measure(spec)
-    except ConfigError as exc:
-        return {"rows": [_failed_row(spec, "error", str(exc))], "measured_s": 0.0}
-    return {"rows": obs.rows(), "measured_s": obs.measured_seconds}
-
-
-def _failed_row(spec: Spec, outcome: str, message: str) -> dict:
-    from rematlab.measure import Observation
-
-    return Observation(spec=spec, outcome=outcome, error=message).rows()[0]
 
 
 def _child(spec_dict: dict, conn) -> None:
@@ -132,7 +114,7 @@ def run_isolated(spec: Spec, timeout: float) -> dict:
         code = proc.exitcode
         message = result["crash"] + (f" (exit code {code})" if code not in (0, None) else "")
         outcome = "oom" if code == -signal.SIGKILL and "timeout" not in message else "error"
-        return {"rows": [_failed_row(spec, outcome, message)], "measured_s": 0.0}
+        return {"rows": [failed_row(spec, outcome, message)], "measured_s": 0.0}
     return result
 
 
