@@ -166,7 +166,13 @@ def main() -> None:
         lines += r
         timing += t
         print(r, flush=True)
-    text = "\n".join(lines) + "\n\nRaw times:\n\n" + "\n".join(timing) + (
+    text = ("# Real models: planned without wrappers\n\nProduced by `python "
+            "benchmarks/real_models.py --out docs/benchmarks/real-models.md` (module docstring: "
+            "what is measured and how). Peaks are rematlab's step peak of the user's step "
+            "(output alive, momentum SGD); `simulated / measured` is the planner's model "
+            "against that measurement; times are medians over interleaved rounds, as ratios "
+            "to `none` measured side by side.\n\n" + "\n".join(lines)
+            + "\n\nRaw times:\n\n" + "\n".join(timing) + (
         f"\n\nWall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads.\n")
     if args.out:

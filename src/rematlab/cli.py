@@ -6,6 +6,7 @@ readable output, tables are for people.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
@@ -164,14 +165,14 @@ def plan_cmd(
 ) -> None:
     """The fastest checkpointing plan whose whole-step peak fits the budget."""
     from rematlab import zoo
-    from rematlab.measure import parse_device
+    from rematlab.measure import available, parse_device
     from rematlab.planner import prepare
     from rematlab.steps import make_example
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
     limit = parse_bytes(budget)
-    dev = parse_device(device)
+    dev = available(parse_device(device))
     net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
     x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
                      device=dev)
@@ -517,7 +518,26 @@ def study(
 
 
 def main() -> None:
-    app()
+    """The console entry point: typer's usage errors (a missing option, `--batch abc`) are
+    one `error:` line and exit status 2, like every other bad input."""
+    # typer vendors its own click (typer._click) in recent releases; older ones use click
+    click = getattr(typer, "_click", None) or importlib.import_module("click")
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=sys.argv[1:], prog_name="rematlab", standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        message = exc.format_message().strip()
+        if not message and exc.ctx is not None:  # no arguments: the help, as usage
+            sys.stdout.write(exc.ctx.get_help() + "\n")
+        else:
+            sys.stderr.write(f"error: {message.splitlines()[0] if message else 'usage'}\n")
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.stderr.write("error: aborted\n")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
+from rematlab.chain import preserved
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.layers import remat_of
 from rematlab.probes import Clock, CpuAllocatorTrace, LiveTensorTracker, clock_for, storage_key
@@ -51,6 +52,11 @@ from rematlab.version import __version__
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+# what the results store's columns hold (INTEGER, BIGINT), and sane bounds on run settings
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_REPEATS = 10_000
+MAX_THREADS = 4096
 NOISY_IQR_RATIO = 0.10  # IQR / median above this: too noisy to conclude from
 MIN_REPEAT_SECONDS = 0.05  # a repeat averages enough steps to last at least this long
 MAX_STEPS_PER_REPEAT = 50
@@ -89,19 +95,27 @@ class Spec:
 
     def validate(self) -> Spec:
         """Check every field; return the spec with the zoo's default input filled in."""
-        if self.batch <= 0:
-            raise ConfigError(f"batch must be a positive integer, got {self.batch}")
-        if self.warmup < 2:
-            raise ConfigError(f"warmup must be at least 2 (optimizer state), got {self.warmup}")
-        if self.repeats < 1:
-            raise ConfigError(f"repeats must be at least 1, got {self.repeats}")
+        if not 0 < self.batch <= INT32_MAX:
+            raise ConfigError(f"batch must be a positive integer up to {INT32_MAX}, got "
+                              f"{self.batch}")
+        if not 2 <= self.warmup <= MAX_REPEATS:
+            raise ConfigError(f"warmup must be between 2 (optimizer state) and {MAX_REPEATS}, "
+                              f"got {self.warmup}")
+        if not 1 <= self.repeats <= MAX_REPEATS:
+            raise ConfigError(f"repeats must be between 1 and {MAX_REPEATS}, got {self.repeats}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"threads must be between 1 and {MAX_THREADS}, got {self.threads}")
+        if not 0 <= self.seed <= INT32_MAX:
+            raise ConfigError(f"seed must be between 0 and {INT32_MAX}, got {self.seed}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
-        if self.max_memory is not None and self.max_memory <= 0:
-            raise ConfigError(f"max_memory must be positive, got {self.max_memory}")
-        strategies.parse(self.strategy)
+        if self.max_memory is not None and not 0 < self.max_memory <= INT64_MAX:
+            raise ConfigError(f"max_memory must be positive (bytes), got {self.max_memory}")
+        strat = strategies.parse(self.strategy)
+        if strat.kind == "plan":
+            strat.load()  # a missing or malformed plan file is bad input, not a failed run
         parse_device(self.device)
         if self.model in zoo.REGISTRY:
             info = zoo.REGISTRY[self.model]
@@ -224,6 +238,18 @@ def parse_device(text: str) -> torch.device:
     return device
 
 
+def available(device: torch.device) -> torch.device:
+    """`device` when this machine has it; a `ConfigError` naming it otherwise."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r} requested but CUDA/ROCm is not "
+                              "available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {str(device)!r} does not exist: this machine has "
+                              f"{torch.cuda.device_count()} GPU(s)")
+    return device
+
+
 def environment(device: torch.device) -> dict[str, str | int | None]:
     """Where a figure was measured (stored with every row)."""
     cuda = device.type == "cuda"
@@ -260,6 +286,7 @@ class _Setup:
     the runner of the plan (its blocks, plan and recompute stats), `run` the model to call."""
 
     def __init__(self, spec: Spec, device: torch.device, clock: Clock) -> None:
+        self.spec = spec
         dtype = DTYPES[spec.dtype]
         torch.manual_seed(spec.seed)
         model, shape, _ = zoo.resolve(spec.model, spec.input, spec.input_shape)
@@ -413,6 +440,20 @@ class _Tracked:
         return probe()
 
 
+def _runs_on(s: _Setup) -> None:
+    """One no-grad forward (state restored): a model that cannot take the configuration's
+    batch (wrong shape, dtype, vocabulary) is bad input, not a failed measurement."""
+    try:
+        with torch.no_grad(), preserved(s.model):
+            call(s.run, s.batch)
+    except Exception as exc:
+        if _is_oom(exc):
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"{s.spec.model} fails on its batch: {type(exc).__name__}: "
+                          f"{message}"[:300]) from exc
+
+
 def _is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (SimulatedOOM, MemoryError)):
         return True
@@ -426,9 +467,7 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
     """Measure `spec` (see module docstring). Never raises for OOM or runtime failures:
     they become the observation's outcome. Bad specs raise `ConfigError`."""
     spec = spec.validate()
-    device = parse_device(spec.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {spec.device!r} requested but CUDA/ROCm is not available")
+    device = available(parse_device(spec.device))
     if spec.threads:
         torch.set_num_threads(spec.threads)
     obs = Observation(spec=spec, outcome="ok", env=environment(device))
@@ -447,6 +486,7 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
     setup = None
     try:
         setup = _Setup(spec, device, clock)
+        _runs_on(setup)
         _Tracked(setup, device, spec.max_memory, count=False).run()  # warm-up 1, capped
         counted = _Tracked(setup, device, None, count=True)
         counted.run()  # warm-up 2: FLOPs and saved bytes

@@ -111,6 +111,8 @@ def prepare(
     check_batch(example_inputs)
     st = structure(model, example_inputs, blocks)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
     batch = to_device(example_inputs, dev)
     if not predict:
         _runs_on(model, batch)

@@ -123,8 +123,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        def refuse(constant: str) -> None:
+            raise ValueError(f"{constant} is not a number a plan holds")
+
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=refuse)
+            if not isinstance(data, dict):
+                raise TypeError("a plan is a JSON object")
             items = tuple(_item_from_json(it) for it in data["items"])
             return cls(
                 n_blocks=int(data["n_blocks"]),
@@ -137,8 +142,10 @@ class Plan:
                 measured_peak=data.get("measured_peak"),
                 compiled=bool(data.get("compiled", False)),
             )
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"not a rematlab plan: {exc}") from None
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError,
+                json.JSONDecodeError) as exc:
+            raise ConfigError(f"not a rematlab plan: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}") from None
 
 
 def _describe(item: Item) -> str:
@@ -154,11 +161,19 @@ def _item_to_json(item: Item) -> int | dict:
     return {"checkpoint": [item.start, item.end], "inner": [_item_to_json(i) for i in item.inner]}
 
 
-def _item_from_json(data: int | dict) -> Item:
+def _item_from_json(data: int | dict, depth: int = 0) -> Item:
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"segments nested deeper than {_MAX_DEPTH}")
+    if isinstance(data, bool) or not isinstance(data, (int, dict)):
+        raise TypeError(f"a plan item is a block index or a segment, got {data!r}"[:120])
     if isinstance(data, int):
         return data
     start, end = data["checkpoint"]
-    return Segment(int(start), int(end), tuple(_item_from_json(i) for i in data["inner"]))
+    return Segment(int(start), int(end), tuple(_item_from_json(i, depth + 1)
+                                               for i in data["inner"]))
+
+
+_MAX_DEPTH = 64  # a chain of n blocks nests at most n deep; deeper JSON is not a plan
 
 
 def validate_items(items: tuple[Item, ...], start: int, end: int) -> None:

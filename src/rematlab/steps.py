@@ -206,14 +206,18 @@ def make_example(batch: int, shape: tuple[int, ...] | None = None, *,
         raise ConfigError(f"unknown input dtype {input_dtype!r}; choose one of "
                           f"{sorted(INPUT_DTYPES)}")
     dtype = INPUT_DTYPES[input_dtype]
-    if dtype.is_floating_point:
-        x = torch.randn(batch, *shape, generator=gen).to(dtype)
-    else:
-        if not vocab or vocab <= 0:
-            raise ConfigError(f"integer inputs ({input_dtype}) need a vocabulary size, e.g. "
-                              "--vocab 50257")
-        x = torch.randint(0, vocab, (batch, *shape), generator=gen, dtype=dtype)
-    return x.to(device) if device is not None else x
+    if not dtype.is_floating_point and (not vocab or vocab <= 0):
+        raise ConfigError(f"integer inputs ({input_dtype}) need a vocabulary size, e.g. "
+                          "--vocab 50257")
+    try:
+        if dtype.is_floating_point:
+            x = torch.randn(batch, *shape, generator=gen).to(dtype)
+        else:
+            x = torch.randint(0, vocab, (batch, *shape), generator=gen, dtype=dtype)
+        return x.to(device) if device is not None else x
+    except (RuntimeError, MemoryError, OverflowError) as exc:
+        raise ConfigError(f"cannot make a batch of shape {(batch, *shape)}: "
+                          f"{str(exc).splitlines()[0]}") from None
 
 
 def cast(batch: Batch, dtype: torch.dtype) -> Batch:

@@ -15,6 +15,7 @@ on the CLI and in grid files.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from rematlab.plans import ChainCosts, Item, Plan, Segment
 from rematlab.recompute import RecomputeStats, recompute_contexts
 from rematlab.structure import Structure, structure
 
+MAX_SEGMENTS = 1_000_000  # beyond any chain: a larger count is a typo
 _PATTERN = re.compile(r"^(none|sqrt|selective|uniform|every|plan)(?::(.+))?$")
 NAMES = ("none", "uniform:N", "every:K", "selective[:T]", "sqrt", "plan:FILE.json")
 
@@ -54,6 +56,16 @@ class Strategy:
             return self.kind
         return f"{self.kind}:{self.arg:g}"
 
+    def load(self) -> Plan:
+        """The plan a `plan:FILE.json` strategy names; a `ConfigError` when it is missing or
+        not a plan."""
+        try:
+            with open(str(self.path), encoding="utf-8") as fh:
+                return Plan.from_json(fh.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read plan file {self.path}: "
+                              f"{exc.strerror if isinstance(exc, OSError) else exc}") from None
+
     def build(self, n: int, costs: ChainCosts | None = None) -> Plan:
         if self.kind == "none":
             return plans.none_plan(n)
@@ -67,8 +79,7 @@ class Strategy:
             if costs is None:
                 raise ConfigError("strategy 'selective' needs per-block costs")
             return plans.selective_plan(costs, 1.0 if self.arg is None else self.arg)
-        with open(str(self.path), encoding="utf-8") as fh:
-            loaded = Plan.from_json(fh.read())
+        loaded = self.load()
         if loaded.n_blocks != n:
             raise ConfigError(f"plan {self.path} is for {loaded.n_blocks} blocks, model has {n}")
         return loaded
@@ -76,7 +87,9 @@ class Strategy:
 
 def parse(text: str) -> Strategy:
     """Parse a strategy string; a `ConfigError` names the bad value and the allowed forms."""
-    m = _PATTERN.match(text.strip())
+    if not isinstance(text, str):
+        raise ConfigError(f"a strategy is a string such as 'uniform:4', got {text!r}")
+    m = _PATTERN.fullmatch(text.strip())
     if not m:
         raise ConfigError(f"unknown strategy {text!r}; expected one of {', '.join(NAMES)}")
     kind, arg = m.group(1), m.group(2)
@@ -96,8 +109,10 @@ def parse(text: str) -> Strategy:
         value = float(arg) if kind == "selective" else int(arg)
     except ValueError:
         raise ConfigError(f"strategy {text!r}: {arg!r} is not a number") from None
-    if value <= 0:
-        raise ConfigError(f"strategy {text!r}: the argument must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"strategy {text!r}: the argument must be a positive, finite number")
+    if value > MAX_SEGMENTS and kind != "selective":
+        raise ConfigError(f"strategy {text!r}: at most {MAX_SEGMENTS} segments or blocks")
     return Strategy(kind, float(value))
 
 

@@ -130,14 +130,18 @@ REGISTRY: dict[str, ModelInfo] = {
 }
 
 
+_MAX_DIM = 2**31 - 1
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """'3,224,224' -> (3, 224, 224); a clear error otherwise."""
     try:
-        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+        shape = tuple(int(p) for p in text.replace("x", ",").split(","))
     except ValueError:
         raise ConfigError(f"input shape {text!r} is not a comma-separated list of sizes") from None
-    if not shape or any(d <= 0 for d in shape):
-        raise ConfigError(f"input shape {text!r} must list positive sizes, e.g. 3,32,32")
+    if not shape or any(d <= 0 or d > _MAX_DIM for d in shape) or len(shape) > 8:
+        raise ConfigError(f"input shape {text!r} must list up to 8 positive sizes (each at "
+                          f"most {_MAX_DIM}), e.g. 3,32,32")
     return shape
 
 
