@@ -172,9 +172,9 @@ def main() -> None:
             "(output alive, momentum SGD); `simulated / measured` is the planner's model "
             "against that measurement; times are medians over interleaved rounds, as ratios "
             "to `none` measured side by side.\n\n" + "\n".join(lines)
-            + "\n\nRaw times:\n\n" + "\n".join(timing) + (
-        f"\n\nWall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads.\n")
+            + "\n\nRaw times:\n\n" + "\n".join(timing)
+            + f"\n\nWall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads.\n")
     if args.out:
         from rematlab.files import write_text
 
