@@ -244,7 +244,8 @@ def sweep_cmd(
                      "outcomes": dict(result.outcomes), "wall_s": result.wall_s,
                      "measured_s": result.measured_s,
                      "harness_overhead": result.harness_overhead,
-                     "interrupted": result.interrupted})
+                     "interrupted": result.interrupted, "retried_errors": result.retried,
+                     "stale_sweeps_marked_interrupted": result.stale})
     else:
         table = Table(title=f"sweep {spec_grid.name} -> {db}")
         for col in ("configurations", "skipped (done before)", "ok", "oom", "error", "wall",
@@ -254,6 +255,9 @@ def sweep_cmd(
                       str(result.outcomes["oom"]), str(result.outcomes["error"]),
                       f"{result.wall_s:.1f} s", f"{result.harness_overhead:.1%}")
         console.print(table)
+        if result.retried or result.stale:
+            console.print(f"retried {result.retried} configuration(s) stored as error; "
+                          f"marked {result.stale} stale sweep(s) as interrupted")
     if result.interrupted:
         sys.stderr.write(f"interrupted: {result.skipped + len(result)} of {result.total} "
                          f"configurations are stored; resume with: "
@@ -451,6 +455,8 @@ def gradients(
     if not ks or min(ks) <= 0 or seeds <= 0 or steps <= 0:
         raise ConfigError("budgets, seeds and steps must be positive")
     names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names:
+        raise ConfigError("--models names no model; e.g. mlp5,lenet5")
     result = compare(names, ks, seeds, steps=steps, finetune=finetune, strategy=strategy,
                      progress=lambda m: sys.stderr.write(f"{m}\n"))
     data = result.to_dict()

@@ -8,17 +8,41 @@ Every field is checked before anything runs; an error names the field and the ba
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
-
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, parse_bytes
-from rematlab.measure import DTYPES, Spec, parse_device
+from rematlab.measure import (
+    DTYPES,
+    INT32_MAX,
+    INT64_MAX,
+    MAX_REPEATS,
+    MAX_THREADS,
+    Spec,
+    parse_device,
+)
 from rematlab.steps import OPTIMIZERS
 
 BUILTIN = Path(__file__).parent / "grids"
+
+
+MAX_CONFIGS = 20_000  # a grid larger than this needs `max_configs` raised in the file
+MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds
+
+Batch = Annotated[int, Field(gt=0, le=INT32_MAX)]
 
 
 def _one_of(values: list[str], allowed: list[str], what: str) -> list[str]:
@@ -28,13 +52,30 @@ def _one_of(values: list[str], allowed: list[str], what: str) -> list[str]:
     return values
 
 
+def _unique(values: list, what: str) -> list:
+    """Refuse a value listed twice: it would be the same configuration twice."""
+    seen = set()
+    for v in values:
+        key = v.strip() if isinstance(v, str) else v
+        if key in seen:
+            raise ValueError(f"{what} lists {v!r} twice")
+        seen.add(key)
+    return values
+
+
 class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    inputs: list[str] | None = None
-    input_shape: list[PositiveInt] | None = None
-    batches: list[PositiveInt] | None = None
+    inputs: list[str] | None = Field(default=None, min_length=1)
+    input_shape: list[Annotated[int, Field(gt=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=1, max_length=8)
+    batches: list[Batch] | None = Field(default=None, min_length=1)
+
+    @field_validator("inputs", "batches")
+    @classmethod
+    def _distinct(cls, v: list | None, info: ValidationInfo) -> list | None:
+        return None if v is None else _unique(v, info.field_name)
 
     @field_validator("name")
     @classmethod
@@ -52,16 +93,29 @@ class Grid(BaseModel):
 
     name: str = "grid"
     models: list[ModelEntry] = Field(min_length=1)
-    batches: list[PositiveInt] = Field(default_factory=lambda: [32])
+    batches: list[Batch] = Field(default_factory=lambda: [32], min_length=1)
     strategies: list[str] = Field(default_factory=lambda: ["none"], min_length=1)
-    dtypes: list[str] = Field(default_factory=lambda: ["float32"])
-    devices: list[str] = Field(default_factory=lambda: ["cpu"])
-    optimizers: list[str] = Field(default_factory=lambda: ["momentum"])
-    warmup: int = Field(default=2, ge=2)
-    repeats: int = Field(default=5, ge=1)
-    timeout: float = Field(default=600.0, gt=0)
-    max_memory: str | int | None = None
-    threads: PositiveInt | None = None
+    dtypes: list[str] = Field(default_factory=lambda: ["float32"], min_length=1)
+    devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    optimizers: list[str] = Field(default_factory=lambda: ["momentum"], min_length=1)
+    warmup: int = Field(default=2, ge=2, le=MAX_REPEATS)
+    repeats: int = Field(default=5, ge=1, le=MAX_REPEATS)
+    timeout: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)
+    max_memory: StrictStr | StrictInt | None = None
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
+    max_configs: int = Field(default=MAX_CONFIGS, ge=1)
+
+    @field_validator("batches", "strategies", "dtypes", "devices", "optimizers")
+    @classmethod
+    def _distinct(cls, v: list, info: ValidationInfo) -> list:
+        return _unique(v, info.field_name)
+
+    @field_validator("models")
+    @classmethod
+    def _distinct_models(cls, v: list[ModelEntry]) -> list[ModelEntry]:
+        _unique([(m.name, tuple(m.inputs or ()), tuple(m.input_shape or ())) for m in v],
+                "models")
+        return v
 
     @field_validator("strategies")
     @classmethod
@@ -90,12 +144,23 @@ class Grid(BaseModel):
     @field_validator("max_memory")
     @classmethod
     def _memory(cls, v: str | int | None) -> str | int | None:
-        if v is not None:
-            parse_bytes(v)
+        if v is not None and parse_bytes(v) > INT64_MAX:
+            raise ValueError(f"max_memory {v!r} is larger than any device")
         return v
+
+    def size(self) -> int:
+        """How many configurations the grid expands to, without expanding it."""
+        per_model = len(self.strategies) * len(self.dtypes) * len(self.devices) * len(
+            self.optimizers)
+        return sum(len(m.inputs or [None]) * len(m.batches or self.batches) * per_model
+                   for m in self.models)
 
     def expand(self) -> list[Spec]:
         """Every configuration, in a stable order (models outermost, strategies innermost)."""
+        if self.size() > self.max_configs:
+            raise ConfigError(f"the grid expands to {self.size()} configurations, more than "
+                              f"max_configs = {self.max_configs}; raise max_configs in the grid "
+                              "file to run it")
         cap = parse_bytes(self.max_memory) if self.max_memory is not None else None
         specs = []
         for entry in self.models:
@@ -128,6 +193,8 @@ def load_grid(path: str | Path) -> Grid:
                           f"{', '.join(sorted(g.stem for g in BUILTIN.glob('*.toml')))})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"grid file {p}: malformed TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read grid file {p}: {type(exc).__name__}") from None
     try:
         grid = Grid.model_validate(data)
     except ValidationError as exc:

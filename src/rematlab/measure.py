@@ -27,7 +27,7 @@ import socket
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import torch
@@ -265,7 +265,7 @@ def environment(device: torch.device) -> dict[str, str | int | None]:
         "cpu_model": _cpu_model(),
         "threads": torch.get_num_threads(),
         "host": socket.gethostname(),
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "rematlab_version": __version__,
     }
 

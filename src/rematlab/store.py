@@ -12,6 +12,7 @@ DuckDB holds an exclusive file lock for a writer: a second writer gets `StoreLoc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -102,9 +103,37 @@ class Store:
                                        "(one sweep per database at a time)") from None
             raise ConfigError(f"cannot open database {self.path}: {exc}") from None
         except duckdb.Error as exc:
-            raise ConfigError(f"cannot open database {self.path}: {exc}") from None
-        if not read_only:
-            self._migrate()
+            raise ConfigError(f"cannot open database {self.path}: "
+                              f"{str(exc).splitlines()[0]}") from None
+        try:
+            self._check_ours(read_only)
+            if not read_only:
+                self._migrate()
+        except duckdb.Error as exc:  # a damaged file that still opened
+            self.con.close()
+            raise ConfigError(f"database {self.path} is damaged: "
+                              f"{str(exc).splitlines()[0]}") from None
+        except ConfigError:
+            self.con.close()
+            raise
+
+    def _check_ours(self, read_only: bool) -> None:
+        """Refuse another application's database (never write our tables into it), one
+        written by a newer rematlab, and, for reading, an empty one."""
+        tables = self._tables()
+        version = self.schema_version()
+        if tables and "meta" not in tables:
+            raise ConfigError(f"{self.path} is not a rematlab database (it holds other "
+                              f"tables: {', '.join(sorted(tables)[:5])})")
+        if version > SCHEMA_VERSION:
+            raise ConfigError(f"database {self.path} has schema version {version}, newer than "
+                              f"this rematlab's {SCHEMA_VERSION}: upgrade rematlab to read it")
+        if read_only and "runs" not in tables:
+            raise ConfigError(f"database {self.path} holds no results yet")
+
+    def _tables(self) -> set[str]:
+        return {r[0] for r in self.con.execute("SELECT table_name FROM information_schema"
+                                               ".tables").fetchall()}
 
     def close(self) -> None:
         self.con.close()
@@ -116,12 +145,13 @@ class Store:
         self.close()
 
     def schema_version(self) -> int:
-        tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema"
-                                                 ".tables").fetchall()}
-        if "meta" not in tables:
+        if "meta" not in self._tables():
             return 0
         row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        return int(row[0]) if row else 0
+        try:
+            return int(row[0]) if row else 0
+        except ValueError:
+            raise ConfigError(f"database {self.path} has a damaged schema version") from None
 
     def _migrate(self) -> None:
         version = self.schema_version()
@@ -153,7 +183,23 @@ class Store:
             f"{figures}, count(step_s) AS n FROM runs GROUP BY config_id, {keys}")
 
     def done(self) -> set[str]:
-        return {r[0] for r in self.con.execute("SELECT config_id FROM configs").fetchall()}
+        """Configurations with a result: `ok` or `oom` (a result), not `error` (a failure
+        to measure, retried when the sweep resumes)."""
+        return {r[0] for r in self.con.execute(
+            "SELECT config_id FROM configs WHERE outcome <> 'error'").fetchall()}
+
+    def failed(self) -> set[str]:
+        """Configurations whose stored outcome is `error`."""
+        return {r[0] for r in self.con.execute(
+            "SELECT config_id FROM configs WHERE outcome = 'error'").fetchall()}
+
+    def mark_stale_sweeps(self) -> int:
+        """Sweeps left `running` by a killed driver (this process holds the write lock, so
+        none is running now) become `interrupted`; how many."""
+        stale = self.con.execute("SELECT count(*) FROM sweeps WHERE status = 'running'"
+                                 ).fetchone()[0]
+        self.con.execute("UPDATE sweeps SET status = 'interrupted' WHERE status = 'running'")
+        return int(stale)
 
     def write_config(self, cid: str, sweep_id: str, spec: dict, rows: list[dict],
                      measured_s: float) -> None:
@@ -163,6 +209,8 @@ class Store:
                   for r in rows]
         self.con.execute("BEGIN TRANSACTION")
         try:
+            self.con.execute("DELETE FROM runs WHERE config_id = ?", [cid])  # a retried error
+            self.con.execute("DELETE FROM configs WHERE config_id = ?", [cid])
             self.con.executemany(
                 f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                 values)
@@ -171,7 +219,10 @@ class Store:
                               rows[0]["outcome"], measured_s])
             self.con.execute("COMMIT")
         except Exception:
-            self.con.execute("ROLLBACK")
+            # a failed COMMIT (a full disk) may have ended the transaction already: the
+            # original error is the one to report, not "no transaction is active"
+            with contextlib.suppress(duckdb.Error):
+                self.con.execute("ROLLBACK")
             raise
 
     def start_sweep(self, sweep_id: str, grid: str, backend: str, configs: int) -> None:

@@ -1,9 +1,11 @@
 """Run a grid into the results database: isolated, one at a time per device, resumable.
 
 Each configuration runs in a child process of its own (a fresh allocator; a crash, a hang or
-an OOM stays there) under a timeout. Configurations already in the database are skipped, so
-re-running a grid resumes it. Only this driver process writes the database. The Ray backend
-(`rematlab.raybackend`) runs the same worker function as Ray tasks.
+an OOM stays there) under a timeout. Configurations already in the database with a
+result (`ok` or `oom`) are skipped, so re-running a grid resumes it; those stored as `error`
+(a failure to measure, not a result) are run again. Only this driver process writes the
+database. The Ray backend (`rematlab.raybackend`) runs the same worker function as Ray
+tasks.
 
 Design note — why one at a time: two measurements sharing a device (or the CPU's cores)
 slow each other down unpredictably, so the local backend never overlaps them, and the Ray
@@ -26,7 +28,7 @@ import pandas as pd
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
-from rematlab.measure import Spec, failed_row, run_config
+from rematlab.measure import Spec, available, failed_row, parse_device, run_config
 from rematlab.store import Store, config_id
 
 ProgressFn = Callable[[Spec, str, int, int], None]  # spec, outcome, done, total
@@ -43,6 +45,8 @@ class SweepResult:
     wall_s: float = 0.0
     measured_s: float = 0.0
     interrupted: bool = False
+    retried: int = 0  # configurations stored as `error` before, run again
+    stale: int = 0  # earlier sweeps found `running` (their driver was killed): interrupted
 
     @property
     def harness_overhead(self) -> float:
@@ -137,12 +141,17 @@ def sweep(
     if backend not in ("local", "ray"):
         raise ConfigError(f"unknown backend {backend!r}; choose local or ray")
     specs = grid.expand()
+    for device in grid.devices:  # a grid may name GPUs for a dry run; a run needs them here
+        available(parse_device(device))
     db = Path(db)
     store = Store(db)
     try:
-        done = store.done()
+        result = SweepResult(db=db, total=len(specs), skipped=0)
+        result.stale = store.mark_stale_sweeps()
+        done, failed = store.done(), store.failed()
         todo = [s for s in specs if config_id(s.to_dict()) not in done]
-        result = SweepResult(db=db, total=len(specs), skipped=len(specs) - len(todo))
+        result.skipped = len(specs) - len(todo)
+        result.retried = sum(config_id(s.to_dict()) in failed for s in todo)
         sweep_id = uuid.uuid4().hex[:12]
         store.start_sweep(sweep_id, grid_label or grid.name, backend, len(todo))
         start = time.perf_counter()
