@@ -140,3 +140,26 @@ def test_fit_and_stats_refuse_to_overwrite_their_database(tmp_path):
 def test_non_finite_memory_sizes_are_config_errors(text):
     with pytest.raises(ConfigError):
         parse_bytes(text)
+
+
+def test_a_killed_writer_leaves_the_old_file_intact(tmp_path):
+    """SIGKILL in the middle of a write (what `fit --out` does through `write_atomic`)."""
+    import signal
+    import time
+
+    target = tmp_path / "predictor.skops"
+    target.write_bytes(b"old predictor")
+    script = (
+        "import time, sys\n"
+        "from rematlab.files import write_atomic\n"
+        "def slow(tmp):\n"
+        "    tmp.write_bytes(b'half a new predi')\n"
+        "    print('written', flush=True)\n"
+        "    time.sleep(60)\n"
+        f"write_atomic({str(target)!r}, slow)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(0.1)
+    assert target.read_bytes() == b"old predictor"

@@ -501,11 +501,11 @@ def study(
 ) -> None:
     """Reproduce the whole study: sweep, predictors, statistics, plans, gradients, report."""
     from rematlab.grid import load_grid
-    from rematlab.measure import parse_device
+    from rematlab.measure import available, parse_device
     from rematlab.study import StudySettings, run_study
 
     if device:
-        parse_device(device)
+        available(parse_device(device))
     spec_grid = load_grid(grid)
     database = db or Path("results") / f"{spec_grid.name}.duckdb"
     settings = StudySettings(grid=grid, db=database, out=out, backend=backend, device=device)

@@ -52,10 +52,14 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 def parse_bytes(value: str | int | float) -> int:
     """'6GiB', '512MiB', '1.5GB' or a number of bytes -> int bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"memory size {value!r} is not a number of bytes")
     if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"memory size {value} must be a positive, finite number")
+        if not math.isfinite(value) or int(value) <= 0:
+            raise ConfigError(f"memory size {value} must be a positive, finite number of bytes")
         return int(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"memory size {value!r} is not a number with a unit")
     text = value.strip().lower().replace(" ", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(num):]

@@ -255,6 +255,7 @@ def _kruskal(ratios: pd.DataFrame) -> pd.DataFrame:
 def _mixed(summary: pd.DataFrame) -> pd.DataFrame:
     """`log(y) ~ strategy * architecture`, random intercept per block (statsmodels MixedLM)."""
     import statsmodels.formula.api as smf
+    from patsy import PatsyError
 
     ok = summary[summary["outcome"] == "ok"].copy()
     if ok["cfg_model"].nunique() < 2 or ok["cfg_strategy"].nunique() < 2 or len(ok) < 12:
@@ -262,13 +263,15 @@ def _mixed(summary: pd.DataFrame) -> pd.DataFrame:
     ok["block"] = ok[BLOCK].astype(str).agg("|".join, axis=1)
     rows = []
     for name, col in RESPONSES.items():
-        ok["y"] = np.log(ok[col].astype(float))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ok["y"] = np.log(ok[col].astype(float))
+        data = ok[np.isfinite(ok["y"])]  # a missing or zero figure cannot enter a log model
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                fit = smf.mixedlm("y ~ C(cfg_strategy, Treatment('none')) * C(cfg_model)", ok,
-                                  groups=ok["block"]).fit()
-        except (ValueError, np.linalg.LinAlgError) as exc:
+                fit = smf.mixedlm("y ~ C(cfg_strategy, Treatment('none')) * C(cfg_model)",
+                                  data, groups=data["block"]).fit()
+        except (ValueError, np.linalg.LinAlgError, PatsyError) as exc:
             rows.append({"response": name, "term": "(model not estimable)", "coef": math.nan,
                          "p": math.nan, "note": str(exc)[:80]})
             continue

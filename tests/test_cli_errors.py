@@ -1,0 +1,105 @@
+"""Every subcommand, fed bad input (issue 13): exit status 2, exactly one `error: ...` line
+on stderr, no traceback, nothing on stdout; damaged and foreign files included."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.duckdb").write_bytes(b"")
+    (d / "garbage.duckdb").write_bytes(b"\x00garbage" * 1000)
+    con = duckdb.connect(str(d / "foreign.duckdb"))
+    con.execute("CREATE TABLE invoices (id INTEGER)")
+    con.close()
+    (d / "empty.skops").write_bytes(b"")
+    (d / "garbage.skops").write_bytes(b"PK\x03\x04" + b"x" * 100)
+    (d / "plan.json").write_text('{"n_blocks": 3, "items": [0, 1]}')
+    (d / "notjson.json").write_text("{{{")
+    (d / "grid.toml").write_text("batches = [4, 4]\n[[models]]\nname = 'mlp3'\n")
+    (d / "bad.toml").write_text("batches = [\n")
+    (d / "afile").write_text("x")
+    (d / "syntax_err.py").write_text("def broken(:\n")
+    (d / "raises.py").write_text("def model():\n    raise RuntimeError('boom')\n")
+    shutil.copy(HERE / "userzoo.py", d / "userzoo_copy.py")
+    return d
+
+
+CASES = [
+    # measure
+    ("measure", ["--model", "resnet9"], "unknown model"),
+    ("measure", ["--model", "mlp3", "--batch", "0"], "batch"),
+    ("measure", ["--model", "mlp3", "--batch", "9223372036854775808"], "batch"),
+    ("measure", ["--model", "mlp3", "--batch", "abc"], "--batch"),
+    ("measure", ["--model", "mlp3", "--threads", "-1"], "threads"),
+    ("measure", ["--model", "mlp3", "--strategy", "selective:nan"], "finite"),
+    ("measure", ["--model", "mlp3", "--strategy", "selective:inf"], "finite"),
+    ("measure", ["--model", "mlp3", "--strategy", "plan:{d}/missing.json"], "plan file"),
+    ("measure", ["--model", "mlp3", "--strategy", "plan:{d}/notjson.json"], "not a rematlab plan"),
+    ("measure", ["--model", "mlp3", "--strategy", "plan:{d}/plan.json"], "plan"),
+    ("measure", ["--model", "mlp3", "--input-shape", "3,,32"], "input shape"),
+    ("measure", ["--model", "mlp3", "--input-shape", "3,32,32"], "fails on its batch"),
+    ("measure", ["--model", "mlp3", "--input-shape", "999999,999999,999999"], "batch"),
+    ("measure", ["--model", "mlp3", "--device", "cuda:99"], "cuda"),
+    ("measure", ["--model", "mlp3", "--device", "tpu"], "device"),
+    ("measure", ["--model", "mlp3", "--max-memory", "1e999"], "memory size"),
+    ("measure", ["--model", "os:system", "--input-shape", "3"], "model factory"),
+    ("measure", ["--model", "syntax_err:broken", "--input-shape", "3"], "SyntaxError"),
+    ("measure", ["--model", "raises:model", "--input-shape", "3"], "boom"),
+    ("measure", [], "--model"),
+    # plan
+    ("plan", ["--model", "mlp3", "--budget", "1e999"], "memory size"),
+    ("plan", ["--model", "mlp3", "--budget", "1KiB"], "infeasible"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--device", "cuda"], "cuda"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--compile", "--predict"], "--compile"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--out", "{d}/afile/plan.json"],
+     "not a directory"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--optimizer", "lion"], "optimizer"),
+    # sweep
+    ("sweep", ["{d}/grid.toml", "--dry-run"], "twice"),
+    ("sweep", ["{d}/bad.toml", "--dry-run"], "malformed TOML"),
+    ("sweep", ["{d}/nope.toml", "--dry-run"], "not found"),
+    ("sweep", ["quick", "--db", "{d}/foreign.duckdb"], "not a rematlab database"),
+    ("sweep", ["quick", "--db", "{d}/garbage.duckdb"], "database"),
+    ("sweep", ["quick", "--backend", "slurm"], "backend"),
+    # export / stats / fit on damaged, foreign and missing databases
+    ("export", ["--db", "{d}/garbage.duckdb", "--out", "{d}/x.parquet"], "database"),
+    ("export", ["--db", "{d}/foreign.duckdb", "--out", "{d}/x.parquet"], "not a rematlab"),
+    ("export", ["--db", "{d}/missing.duckdb", "--out", "{d}/x.parquet"], "does not exist"),
+    ("stats", ["--db", "{d}/empty.duckdb"], "database"),
+    ("stats", ["--db", "{d}/foreign.duckdb"], "not a rematlab"),
+    ("fit", ["--db", "{d}/garbage.duckdb", "--out", "{d}/p.skops"], "database"),
+    ("fit", ["--db", "{d}/foreign.duckdb", "--out", "{d}/foreign.duckdb"], "also an input"),
+    # predict
+    ("predict", ["--predictor", "{d}/empty.skops", "--model", "mlp3"], "not a rematlab"),
+    ("predict", ["--predictor", "{d}/garbage.skops", "--model", "mlp3"], "not a rematlab"),
+    ("predict", ["--predictor", "{d}/missing.skops", "--model", "mlp3"], "not found"),
+    # gradients / study
+    ("gradients", ["--models", ""], "no model"),
+    ("gradients", ["--budgets", "a,b"], "budgets"),
+    ("study", ["--device", "cuda:99"], "cuda"),
+    ("study", ["--grid", "{d}/grid.toml"], "twice"),
+    ("bogus", [], "No such command"),
+]
+
+
+@pytest.mark.parametrize(("command", "args", "needle"), CASES,
+                         ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(CASES)])
+def test_bad_input_is_one_error_line_and_exit_2(files, command, args, needle):
+    args = [a.replace("{d}", str(files)) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", command, *args],
+                          capture_output=True, text=True, timeout=300, cwd=files)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert needle.lower() in lines[0].lower(), lines[0]
+    assert proc.stdout == ""
