@@ -3,7 +3,6 @@ parser returns a valid value or raises `ConfigError` — never another exception
 
 import json
 import string
-import tomllib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
