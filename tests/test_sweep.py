@@ -212,3 +212,30 @@ def test_ray_backend_on_a_local_instance(tmp_path):
     assert len(load(db)) == 12
     assert sweep(grid, db, backend="ray").skipped == 6
     assert time.time() - start < 300
+
+
+def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps(tmp_path):
+    from rematlab.measure import failed_row
+    from rematlab.store import config_id
+
+    grid = load_grid(_grid(tmp_path, body='name = "one"\nbatches = [4]\nrepeats = 1\n'
+                                            '[[models]]\nname = "mlp3"\n'))
+    (spec,) = grid.expand()
+    db = tmp_path / "r.duckdb"
+    with Store(db) as store:  # a killed earlier sweep that stored an error for the config
+        store.start_sweep("killed", "one", "local", 1)
+        store.write_config(config_id(spec.to_dict()), "killed", spec.to_dict(),
+                           [failed_row(spec, "error", "worker crashed")], 0.0)
+    result = sweep(grid, db)
+    assert (result.retried, result.stale, result.skipped) == (1, 1, 0)
+    assert result.outcomes["ok"] == 1
+    runs = load(db, "runs")
+    assert list(runs["outcome"]) == ["ok"]  # the error row is replaced, not kept beside it
+    with Store(db) as store:
+        statuses = dict(store.con.execute("SELECT sweep_id, status FROM sweeps").fetchall())
+        assert statuses["killed"] == "interrupted"
+        # an oom is a result: a resumed sweep does not run it again
+        store.write_config(config_id(spec.to_dict()), "killed", spec.to_dict(),
+                           [failed_row(spec, "oom", "cap")], 0.0)
+    again = sweep(grid, db)
+    assert (again.skipped, again.retried, len(again)) == (1, 0, 0)
