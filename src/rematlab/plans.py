@@ -302,27 +302,51 @@ def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tup
     first, rest = items[0], items[1:]
     if isinstance(first, int):
         s = first
-        held = (
-            c.saved[s]
-            + (c.x[s] if c.keeps_input[s] and not held_in else 0)
-            + (c.x[s + 1] if c.keeps_output[s] else 0)
-        )
+        held, fwd, bwd = keep_terms(c, s, end, held_in)
         m_rest, t_rest = need(rest, end, c.keeps_output[s], c)
-        fwd = (0 if held_in else c.x[s]) + c.fwd_mem[s]
-        bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + c.bwd_mem[s]
         return max(fwd, held + m_rest, bwd), c.fwd_time[s] + c.bwd_time[s] + t_rest
     s, k = first.start, first.end
-    held = 0 if held_in else c.x[s]
+    held, fwd, recompute_base = checkpoint_terms(c, s, k, end, held_in)
     m_rest, t_rest = need(rest, end, False, c)
     m_in, t_in = need(first.inner, k, True, c)
-    recompute_base = held + c.x[k] - c.x[end] + c.grads_between(k, end)
-    mem = max(held + ck_forward_mem(c, s, k), held + m_rest, recompute_base + m_in)
+    mem = max(fwd, held + m_rest, recompute_base + m_in)
     return mem, sum(c.fwd_time[s:k]) + t_rest + t_in
 
 
-def ck_forward_mem(c: ChainCosts, s: int, k: int) -> int:
-    """Transient peak of running blocks s..k-1 without saving anything (the input is held)."""
-    return max(c.fwd_mem[i] + (c.x[i] if i > s else 0) for i in range(s, k))
+def keep_terms(c: ChainCosts, s: int, end: int, held_in: bool) -> tuple[int, int, int]:
+    """Block s run plainly, with `..end` to backpropagate: what it holds until its backward,
+    its forward peak and its backward peak (relative, as in `need`). The one place these
+    formulas live: the simulator (`need`) and the solver both call it."""
+    held = (c.saved[s] + (c.x[s] if c.keeps_input[s] and not held_in else 0)
+            + (c.x[s + 1] if c.keeps_output[s] else 0))
+    fwd = (0 if held_in else c.x[s]) + c.fwd_mem[s]
+    bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + c.bwd_mem[s]
+    return held, fwd, bwd
+
+
+def checkpoint_terms(c: ChainCosts, s: int, k: int, end: int, held_in: bool
+                     ) -> tuple[int, int, int]:
+    """Segment [s, k) checkpointed, with `..end` to backpropagate: what it holds (its input),
+    the peak of its forward run without saving, and the memory already live when backward
+    recomputes it (its input, the output gradient, the gradients of later blocks)."""
+    held = 0 if held_in else c.x[s]
+    fwd = held + max(c.fwd_mem[i] + (c.x[i] if i > s else 0) for i in range(s, k))
+    recompute_base = held + c.x[k] - c.x[end] + c.grads_between(k, end)
+    return held, fwd, recompute_base
+
+
+def held_bytes(plan: Plan, c: ChainCosts) -> int:
+    """What a plan holds for backward when its forward ends: kept blocks' saved tensors and
+    boundaries, checkpointed segments' inputs (the terms of `need`)."""
+    total, held_in = 0, True
+    for item in plan.items:
+        if isinstance(item, int):
+            total += keep_terms(c, item, c.n, held_in)[0]
+            held_in = c.keeps_output[item]
+        else:
+            total += checkpoint_terms(c, item.start, item.end, c.n, held_in)[0]
+            held_in = False
+    return total
 
 
 def simulate(plan: Plan, costs: ChainCosts) -> tuple[int, float]:

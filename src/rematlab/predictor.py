@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError
 from rematlab.files import write_atomic
+from rematlab.hardware import device_peaks
 from rematlab.measure import DTYPES, Spec
 
 CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
@@ -46,13 +47,7 @@ ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_larges
             "log_fwd_flops", "log_recompute_flops", "log_analytic_peak", "log_batch",
             "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
             "log_peak_flops", "log_bandwidth", "log_input_bytes"]
-# Peak dense throughput (FLOP/s) and memory bandwidth (B/s) of known devices, by name part.
-DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
-                "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
-                "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
-CPU_FLOPS_PER_THREAD = 30e9
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
-CPU_BANDWIDTH = 20e9
 # The types beyond skops' defaults that a fitted predictor holds: the tree structures of the
 # boosting and random-forest models. An exact list, never a prefix: a prefix such as "numpy."
 # admits functions that run code when a crafted file names them.
@@ -60,13 +55,6 @@ SAVED_TYPES = frozenset({
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
     "sklearn.tree._tree.Tree",
 })
-
-
-def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, float]:
-    for key, value in DEVICE_PEAKS.items():
-        if device_name and key.lower() in device_name.lower():
-            return value
-    return CPU_FLOPS_PER_THREAD * (threads or 1), CPU_BANDWIDTH
 
 
 @lru_cache(maxsize=256)
@@ -99,7 +87,7 @@ def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: 
 
 def features(spec: Spec, device_name: str | None = None, threads: int | None = None) -> dict:
     """Analytic and configuration features of one configuration (meta device, < 1 s)."""
-    from rematlab.plans import Segment, simulate
+    from rematlab.plans import Segment, held_bytes, simulate
 
     spec = spec.validate()
     unit = CUDA_BLOCK if spec.device.startswith("cuda") else 1
@@ -116,11 +104,6 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
                 total += sum(costs.fwd_flops[it.start:it.end]) + recomputed(it.inner)
         return total
 
-    def held(items) -> int:
-        return sum(costs.saved[i] + costs.x[i] * costs.keeps_input[i] for i in items
-                   if isinstance(i, int)) + sum(costs.x[s.start] for s in items
-                                                if isinstance(s, Segment))
-
     segments = [it for it in plan.items if isinstance(it, Segment)]
     largest = max((sum(costs.saved[s.start:s.end]) + sum(costs.x[s.start:s.end])
                    for s in segments), default=0)
@@ -135,7 +118,7 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
         "strategy_arg": float(strat.arg or 0.0),
         "log_param_bytes": math.log1p(max(param_bytes, 0)),
         "log_state_bytes": math.log1p(costs.state),
-        "log_saved_bytes": math.log1p(held(plan.items)),
+        "log_saved_bytes": math.log1p(held_bytes(plan, costs)),
         "log_largest_segment": math.log1p(largest),
         "log_fwd_flops": math.log1p(fwd), "log_recompute_flops": math.log1p(rec),
         "log_analytic_peak": math.log(peak), "log_batch": math.log(spec.batch),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rematlab.exceptions import InfeasibleBudgetError
-from rematlab.plans import ChainCosts, Item, Plan, Segment, ck_forward_mem, need
+from rematlab.plans import ChainCosts, Item, Plan, Segment, checkpoint_terms, keep_terms, need
 
 _INF = float("inf")
 
@@ -79,27 +79,18 @@ class Solution:
         c = self.costs
         k = int(self.choice[(h, s, t)][level])
         if k < 0:
-            held = _plain_held(c, s, bool(h))
+            held, _, _ = keep_terms(c, s, t, bool(h))
             return (s, *self._build(int(c.keeps_output[s]), s + 1, t,
                                     level - _units(held, self.unit)))
-        held = 0 if h else c.x[s]
+        held, _, recompute_base = checkpoint_terms(c, s, k, t, bool(h))
         rest = self._build(0, k, t, level - _units(held, self.unit))
-        inner_level = min(self.levels, level - _units(_recompute_base(c, s, k, t, held), self.unit))
+        inner_level = min(self.levels, level - _units(recompute_base, self.unit))
         inner = self._build(1, s, k, inner_level)
         return (Segment(s, k, inner), *rest)
 
 
 def _units(nbytes: float, unit: int) -> int:
     return math.ceil(nbytes / unit)
-
-
-def _plain_held(c: ChainCosts, s: int, held_in: bool) -> int:
-    return (c.saved[s] + (c.x[s] if c.keeps_input[s] and not held_in else 0)
-            + (c.x[s + 1] if c.keeps_output[s] else 0))
-
-
-def _recompute_base(c: ChainCosts, s: int, k: int, t: int, held: int) -> int:
-    return held + c.x[k] - c.x[t] + c.grads_between(k, t)
 
 
 def _shift(arr: np.ndarray, by: int) -> np.ndarray:
@@ -145,21 +136,19 @@ def solve(costs: ChainCosts, levels: int = 2000, unit: int | None = None,
 def _options(c: ChainCosts, s: int, t: int, h: int, table: dict, levels: np.ndarray,
              unit: int, allowed: Callable[[int, int], bool] | None
              ) -> tuple[np.ndarray, np.ndarray]:
-    held = _plain_held(c, s, bool(h))
-    fwd = (0 if h else c.x[s]) + c.fwd_mem[s]
-    bwd = held + c.x[s + 1] - c.x[t] + c.grads_between(s + 1, t) + c.bwd_mem[s]
+    held, fwd, bwd = keep_terms(c, s, t, bool(h))
     best = _shift(table[(int(c.keeps_output[s]), s + 1, t)], _units(held, unit))
     best = best + c.fwd_time[s] + c.bwd_time[s]
     best[levels < _units(max(fwd, bwd), unit)] = _INF
     arg = np.full(levels.size, -1)
-    ck_held = 0 if h else c.x[s]
     for k in range(s + 1, t):
         if allowed is not None and not allowed(s, k):
             continue
+        ck_held, ck_fwd, recompute_base = checkpoint_terms(c, s, k, t, bool(h))
         rest = _shift(table[(0, k, t)], _units(ck_held, unit))
-        inner = _shift(table[(1, s, k)], _units(_recompute_base(c, s, k, t, ck_held), unit))
+        inner = _shift(table[(1, s, k)], _units(recompute_base, unit))
         cand = rest + inner + sum(c.fwd_time[s:k])
-        cand[levels < _units(ck_held + ck_forward_mem(c, s, k), unit)] = _INF
+        cand[levels < _units(ck_fwd, unit)] = _INF
         better = cand < best
         best = np.where(better, cand, best)
         arg = np.where(better, k, arg)

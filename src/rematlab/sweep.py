@@ -28,6 +28,7 @@ import pandas as pd
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
+from rematlab.hardware import device_peaks
 from rematlab.measure import Spec, available, failed_row, parse_device, run_config
 from rematlab.store import Store, config_id
 
@@ -198,7 +199,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def estimate_seconds(specs: list[Spec]) -> float:
     """A rough duration: FLOPs of a step from a meta-device trace at an assumed throughput
-    (15 GFLOP/s per CPU thread, 50 TFLOP/s on a GPU), times the steps a measurement runs,
+    (`hardware.device_peaks`), times the steps a measurement runs,
     plus a second of process start-up per configuration."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -217,7 +218,7 @@ def estimate_seconds(specs: list[Spec]) -> float:
                 with counter:
                     model(x).sum().backward()
             cache[key] = float(counter.get_total_flops())
-        rate = 50e12 if s.device.startswith("cuda") else 15e9 * (s.threads or 2)
+        rate = device_peaks(s.device, s.threads or 2)[0]
         steps = s.warmup + 2 * s.repeats + 1
         total += cache[key] * 1.3 * steps / rate + 1.0
     return total

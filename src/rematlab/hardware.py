@@ -1,0 +1,24 @@
+"""What rematlab assumes about devices it has not measured: peak dense throughput (FLOP/s)
+and memory bandwidth (B/s), by device-name part. One table, used by the predictor's roofline
+features and the sweep's duration estimate."""
+
+from __future__ import annotations
+
+DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
+                "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
+                "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
+GPU_DEFAULT = (100e12, 1.0e12)  # a CUDA/ROCm device not in the table
+CPU_FLOPS_PER_THREAD = 30e9
+CPU_BANDWIDTH = 20e9
+
+
+def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, float]:
+    """(FLOP/s, B/s) of a device named like 'NVIDIA H100 80GB' or 'cuda:0', or of `threads`
+    CPU threads."""
+    name = (device_name or "").lower()
+    for key, value in DEVICE_PEAKS.items():
+        if key.lower() in name:
+            return value
+    if name.startswith("cuda"):
+        return GPU_DEFAULT
+    return CPU_FLOPS_PER_THREAD * (threads or 1), CPU_BANDWIDTH
