@@ -1,4 +1,4 @@
-import math
+import contextlib
 
 import pytest
 import torch
@@ -10,37 +10,70 @@ from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, Span
 from rematlab.steps import make_optimizer
 
 
-class FakeClock:
-    """Every region lasts exactly `tick` seconds more than the previous one."""
+class ConstantClock:
+    """Every timed region lasts exactly `seconds`."""
 
-    def __init__(self, tick: float = 0.001) -> None:
-        self.tick, self.n = tick, 0
+    method = "constant"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
 
     def start(self) -> None:
-        self.n += 1
+        pass
 
     def stop(self) -> float:
-        return self.tick * self.n
+        return self.seconds
 
 
-def test_measure_reports_medians_and_iqr_from_the_injected_clock():
-    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=FakeClock())
+class FakeMemory:
+    """A memory probe that reports fixed bytes and counts how often it was used."""
+
+    method = "fake"
+    made = 0
+
+    def __init__(self, device, cap) -> None:
+        FakeMemory.made += 1
+        self.peak, self.reserved = 4096, 8192
+        self.phase_peaks = {"forward": 1024, "backward": 4096, "optimizer": 2048}
+        self.tracked = 0
+
+    def track(self, tensors) -> None:
+        self.tracked += len(list(tensors))
+
+    def phase(self, name):
+        return contextlib.nullcontext()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_measure_reports_exact_figures_from_the_injected_clock_and_memory_probe():
+    FakeMemory.made = 0
+    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=ConstantClock(0.002),
+                  memory=FakeMemory)
     assert obs.outcome == "ok"
-    # warm-up: 1 step (3 regions) untimed by the tracked run, then repeats of 3 regions each
-    forward = obs.times["forward"]
-    assert len(forward) == 3 and forward == sorted(forward)
-    assert math.isclose(obs.median("step"),
-                        statistics_median([sum(v) for v in zip(obs.times["forward"],
-                                                               obs.times["backward"],
-                                                               obs.times["optimizer"],
-                                                               strict=True)]))
-    assert obs.iqr("forward") > 0
+    # every phase of every step takes 2 ms: the probe step is 6 ms, so each repeat averages
+    # ceil(0.05 / 0.006) = 9 steps
+    assert obs.figures["steps_per_repeat"] == 9
+    assert obs.times["forward"] == obs.times["backward"] == obs.times["optimizer"] == [0.002] * 3
+    assert obs.times["step"] == [pytest.approx(0.006)] * 3
+    assert obs.median("step") == pytest.approx(0.006) and obs.iqr("step") == 0.0
+    assert obs.times["recompute"] == [0.0] * 3  # `none` recomputes nothing
+    assert obs.measured_seconds == pytest.approx(3 * 0.006 * 9)
+    assert obs.peaks == [4096] * 3 and obs.reserved == [8192] * 3
+    assert obs.phase_peaks == {"forward": 1024, "backward": 4096, "optimizer": 2048}
+    assert obs.methods["peak"] == "fake"
+    assert FakeMemory.made == 2 + 3 + 1  # two warm-up steps, three repeats, the method name
 
 
-def statistics_median(values):
-    import statistics
-
-    return statistics.median(values)
+def test_recomputation_is_timed_on_its_own_copy_of_the_injected_clock():
+    obs = measure(Spec(model="mlp5", batch=8, strategy="uniform:2", repeats=2),
+                  clock=ConstantClock(0.002), memory=FakeMemory)
+    assert obs.outcome == "ok"
+    assert obs.times["recompute"] == [0.002] * 2  # one recomputed segment per step
 
 
 def test_tracker_counts_known_allocations_exactly():

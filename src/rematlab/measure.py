@@ -37,7 +37,7 @@ from rematlab import strategies, zoo
 from rematlab.chain import preserved
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.layers import remat_of
-from rematlab.probes import Clock, CpuAllocatorTrace, LiveTensorTracker, clock_for, storage_key
+from rematlab.probes import Clock, MemoryProbe, StepMemory, clock_for, storage_key
 from rematlab.steps import (
     INPUT_DTYPES,
     OPTIMIZERS,
@@ -338,48 +338,39 @@ def _step(s: _Setup, clock: Clock, around: Callable[[str], object] | None = None
     return times
 
 
-class _Tracked:
-    """One tracked step: peaks per phase (and FLOPs, saved bytes when asked)."""
+MemoryFactory = Callable[[torch.device, int | None], MemoryProbe]
 
-    def __init__(self, s: _Setup, device: torch.device, cap: int | None, count: bool) -> None:
-        self.s, self.device, self.cap, self.count = s, device, cap, count
+
+def step_memory(device: torch.device, cap: int | None) -> MemoryProbe:
+    """The default memory probe (`probes.StepMemory`)."""
+    return StepMemory(device, cap)
+
+
+class _Tracked:
+    """One tracked step: peaks per phase from the memory probe (and FLOPs, saved bytes when
+    asked)."""
+
+    def __init__(self, s: _Setup, memory: MemoryProbe, cap: int | None, count: bool) -> None:
+        self.s, self.memory, self.cap, self.count = s, memory, cap, count
         self.phase_peaks: dict[str, int] = {}
-        self.phase_reserved: dict[str, int] = {}
         self.flops: dict[str, float] = {}
         self.saved_bytes = 0
 
-    def run(self) -> tuple[int, int]:
-        s, cuda = self.s, self.device.type == "cuda"
-        self.tracker = None if cuda else LiveTensorTracker(self.cap)
-        self.allocator = None if cuda else CpuAllocatorTrace()
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            _step(s, clock_for(self.device), self._around)
-        else:
-            s.opt.zero_grad(set_to_none=True)
-            self.tracker.track(s.persistent())
-            base = self.tracker.live
-            with self.allocator:  # one trace for the step: frees of older blocks are unseen
-                _step(s, clock_for(self.device), self._around)
-            for phase, span in self.allocator.phases.items():
-                self.phase_peaks[phase] = max(self.phase_peaks[phase], base + span.peak)
-        peak = max(self.phase_peaks.values())  # phases reset the peak: the step's is the max
+    def run(self, clock: Clock) -> tuple[int, int]:
+        """Peak and reserved bytes of one step."""
+        self.s.opt.zero_grad(set_to_none=True)
+        self.memory.track(self.s.persistent())
+        with self.memory:
+            _step(self.s, clock, self._around)
+        self.phase_peaks = dict(self.memory.phase_peaks)
+        peak = self.memory.peak
         if self.cap is not None and peak > self.cap:
             raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
-        if cuda:
-            return peak, max(self.phase_reserved.values())
-        return peak, peak
+        return peak, self.memory.reserved
 
     def _around(self, phase: str):
         stack = contextlib.ExitStack()
-        stack.callback(self._record, phase)
-        if self.tracker is not None:
-            self.tracker.reset_peak()
-            stack.enter_context(self.allocator.phase(phase))
-            stack.enter_context(self.tracker)
-        else:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        stack.enter_context(self.memory.phase(phase))
         if self.count:
             counter = FlopCounterMode(display=False)
             stack.callback(lambda: self.flops.__setitem__(phase, counter.get_total_flops()))
@@ -389,14 +380,6 @@ class _Tracked:
             if phase == "forward":
                 stack.enter_context(self._saved_probe())
         return stack
-
-    def _record(self, phase: str) -> None:
-        if self.tracker is not None:
-            self.phase_peaks[phase] = self.tracker.peak
-        else:
-            torch.cuda.synchronize(self.device)
-            self.phase_peaks[phase] = torch.cuda.max_memory_allocated(self.device)
-            self.phase_reserved[phase] = torch.cuda.max_memory_reserved(self.device)
 
     def _count_recompute(self):
         rec = self.s.remat.recompute
@@ -463,9 +446,13 @@ def _is_oom(exc: BaseException) -> bool:
     return "out of memory" in text.lower() or "can't allocate memory" in text
 
 
-def measure(spec: Spec, clock: Clock | None = None) -> Observation:
+def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None = None
+            ) -> Observation:
     """Measure `spec` (see module docstring). Never raises for OOM or runtime failures:
-    they become the observation's outcome. Bad specs raise `ConfigError`."""
+    they become the observation's outcome. Bad specs raise `ConfigError`. `clock` times the
+    phases (and, as a copy of it, recomputation); `memory(device, cap)` makes the probe of a
+    tracked step: both are swappable, so tests drive this logic without hardware."""
+    memory = memory or step_memory
     spec = spec.validate()
     device = available(parse_device(spec.device))
     if spec.threads:
@@ -476,9 +463,7 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
         "time": f"{type(clock).__name__}, device-synchronised, per phase; median and IQR "
                 f"of {spec.repeats} repeats after {spec.warmup} warm-up steps, each repeat the "
                 f"mean of enough steps to last {MIN_REPEAT_SECONDS:g} s (steps_per_repeat)",
-        "peak": "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
-                if device.type == "cuda" else
-                f"max({LiveTensorTracker.method}, {CpuAllocatorTrace.method})",
+        "peak": memory(device, None).method,
         "flops": "torch.utils.flop_counter.FlopCounterMode, second warm-up step",
         "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
                  "buffers and the input batch excluded",
@@ -487,9 +472,10 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
     try:
         setup = _Setup(spec, device, clock)
         _runs_on(setup)
-        _Tracked(setup, device, spec.max_memory, count=False).run()  # warm-up 1, capped
-        counted = _Tracked(setup, device, None, count=True)
-        counted.run()  # warm-up 2: FLOPs and saved bytes
+        _Tracked(setup, memory(device, spec.max_memory), spec.max_memory,
+                 count=False).run(clock)  # warm-up 1, capped
+        counted = _Tracked(setup, memory(device, None), None, count=True)
+        counted.run(clock)  # warm-up 2: FLOPs and saved bytes
         for _ in range(spec.warmup - 2):
             _step(setup, clock)
         probe = _step(setup, clock)["step"]  # sizes the repeats; not recorded
@@ -499,8 +485,9 @@ def measure(spec: Spec, clock: Clock | None = None) -> Observation:
             runs = [_step(setup, clock) for _ in range(steps)]
             for phase in runs[0]:
                 times.setdefault(phase, []).append(statistics.fmean(r[phase] for r in runs))
-            tracked = _Tracked(setup, device, spec.max_memory, count=False)
-            peak, reserved = tracked.run()
+            tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory,
+                               count=False)
+            peak, reserved = tracked.run(clock)
             obs.peaks.append(peak)
             obs.reserved.append(reserved)
         obs.times = times

@@ -14,7 +14,6 @@ partitioner make a different trade-off than eager execution (see docs/design.md)
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,7 +35,7 @@ from rematlab.plans import (
     sqrt_plan,
     uniform_plan,
 )
-from rematlab.probes import LiveTensorTracker, allocator_trace
+from rematlab.probes import StepMemory
 from rematlab.solver import Solution, solve
 from rematlab.steps import LossFn, call, check_batch, detached, step, tensors, to_device
 from rematlab.strategies import RematChain, apply
@@ -242,23 +241,20 @@ def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
 
 def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
               loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
-    """Peak bytes of one step (`steps.step`) of `run` on `batch`: the larger of the live
-    tensors (when the tracker can see them: eager code) and the allocator's count, above
-    `owner`'s parameters, buffers, the batch and the optimizer state; at least the optimizer
-    step's peak. `owner`'s gradients, buffers and the RNG are restored."""
+    """Peak bytes of one step (`steps.step`) of `run` on `batch` by `probes.StepMemory`, with
+    `owner`'s parameters, buffers, the batch and the optimizer state's bytes alive (tensors
+    counted only where the tracker sees them: eager code); at least the optimizer step's
+    peak. `owner`'s gradients, buffers and the RNG are restored."""
     device = next(tensors(batch)).device
     state = torch.empty(costs.state, dtype=torch.uint8, device=device)
     with preserved(owner):
-        tracker = LiveTensorTracker()
-        tracker.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
-        base = tracker.live
-        counting = tracker if tensors_seen and device.type == "cpu" else contextlib.nullcontext()
-        with allocator_trace(device) as allocator, counting:
+        memory = StepMemory(device, tensors_seen=tensors_seen)
+        memory.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
+        with memory, memory.phase("step"):
             out = step(run, batch, loss_fn)
             del out
-        peak = max(tracker.peak, base + allocator.peak)
     del state
-    return max(peak, costs.optimizer_peak)
+    return max(memory.peak, costs.optimizer_peak)
 
 
 def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = False

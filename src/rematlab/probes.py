@@ -256,6 +256,87 @@ def allocator_trace(device: torch.device) -> CpuAllocatorTrace | CudaAllocatorTr
     return CudaAllocatorTrace(device) if device.type == "cuda" else CpuAllocatorTrace()
 
 
+class MemoryProbe(Protocol):
+    """The peak memory of one training step: register what exists before it (`track`),
+    enter it around the step, wrap each phase in `phase(name)`; then read absolute bytes."""
+
+    method: str
+    peak: int
+    reserved: int
+    phase_peaks: dict[str, int]
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None: ...
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager: ...
+
+    def __enter__(self) -> MemoryProbe: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class StepMemory:
+    """`MemoryProbe` for CPU and CUDA, the one way rematlab measures a step's peak (`measure`
+    and the planner's verification both use it).
+
+    CPU: the larger of the live tensors (`LiveTensorTracker`, above the tracked tensors; off
+    with `tensors_seen=False` for compiled code, which it cannot see into) and the allocator's
+    count (`CpuAllocatorTrace`) above the same base. CUDA: the caching allocator's peak above
+    `memory_allocated` at entry, plus that entry level; `reserved` is the allocator's reserved
+    peak. `cap` makes the tracker raise `SimulatedOOM` as soon as live bytes exceed it.
+    """
+
+    def __init__(self, device: torch.device, cap: int | None = None,
+                 tensors_seen: bool = True) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.tracker = LiveTensorTracker(cap)
+        self.tensors_seen = tensors_seen and not self.cuda
+        self.allocator = allocator_trace(device)
+        self.method = (CudaAllocatorTrace.method if self.cuda else
+                       f"max({LiveTensorTracker.method}, {CpuAllocatorTrace.method})")
+        self.base = 0
+        self.peak = 0
+        self.reserved = 0
+        self.phase_peaks: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.tracker.track(tensors)
+
+    def __enter__(self) -> StepMemory:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = self.tracker.live
+        self.tracker.reset_peak()
+        self.allocator.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.allocator.__exit__(*exc)
+        for name, span in self.allocator.phases.items():
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.base + span.peak)
+        self.peak = max([self.base + self.allocator.peak, *self.phase_peaks.values()])
+        if self.tensors_seen:
+            self.peak = max(self.peak, self.tracker.peak)
+        self.reserved = max(self._reserved.values(), default=self.peak) if self.cuda \
+            else self.peak
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with self.allocator.phase(name):
+            if self.tensors_seen:
+                self.tracker.reset_peak()
+                with self.tracker:
+                    yield
+                self.phase_peaks[name] = self.tracker.peak
+            else:
+                yield
+            if self.cuda:
+                self._reserved[name] = torch.cuda.max_memory_reserved(self.device)
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage (device and data pointer; meta tensors by object id)."""
     if t.device.type == "meta":
