@@ -180,7 +180,9 @@ def profile_chain(
             r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
         if compile:
             with preserved(block), compiling():
-                r.update(_compiled_costs(block, x_in, repeats, unit))
+                r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
+                                                         compile=True).items()
+                          if k in COMPILED_KEYS})
         for key, value in r.items():
             if key in fields:
                 fields[key].append(value)
@@ -258,12 +260,24 @@ def _unit_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
-                   run: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   exclude: frozenset = frozenset(),
-                   others: list[torch.Tensor] | None = None) -> dict:
-    """Costs of one block on `x_in`. `run(x)` calls the block and returns its output tensor
-    (a layer of a real model takes more arguments and may return a tuple); `others` are those
-    other tensor arguments, whose storages are not the block's saved bytes."""
+                  run: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  others: list[torch.Tensor] | None = None, compile: bool = False) -> dict:
+    """Costs of one block on `x_in`, the one block profiler (chains and layers, eager and
+    compiled). `run(x)` calls the block and returns its output tensor (a layer of a real model
+    takes more arguments and may return a tuple); `others` are those other tensor arguments,
+    whose storages are not the block's saved bytes. With `compile`, the block runs under
+    `torch.compile` (warmed up first): the live-tensor tracker cannot see inside compiled
+    code, so memory comes from the allocator and saved-tensor hooks alone, and FLOPs are
+    left to the eager profile."""
+    if compile:
+        run = compiled(block)
+        for _ in range(2):  # compile forward and backward outside the measurement
+            out = run(x_in)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+        del out
+        for p in block.parameters():
+            p.grad = None
     run = run or block
     exclude = frozenset(storage_key(t) for t in others or ())
     saved, pack = _saved_recorder(block, unit, exclude)
@@ -271,17 +285,17 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     # parameters, buffers and other arguments exist before the block runs: tracked up front,
     # so that views of them (a Linear's `weight.t()`) are not counted as new memory
     tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
+    counting = contextlib.nullcontext() if compile else tracker
     flops = FlopCounterMode(display=False)
     allocator = None if x_in.device.type == "meta" else allocator_trace(x_in.device)
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
     with allocator or contextlib.nullcontext():
         before = tracker.live
-        with phase("forward"), tracker, flops, torch.autograd.graph.saved_tensors_hooks(
-                pack, lambda t: t):
+        with phase("forward"), counting, flops if not compile else contextlib.nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run(x_in)
         fwd_mem = tracker.peak - before
-        fwd_flops = flops.get_total_flops()
         kin, kout = storage_key(x_in), storage_key(out)
         nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
         out_bytes = rounded(out.element_size() * out.numel(), unit)
@@ -290,10 +304,10 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
             del out  # autograd alone decides when the output dies, as in a real step
             before_bwd = tracker.live
             tracker.reset_peak()
-            with phase("backward"), tracker:
+            with phase("backward"), counting:
                 loss.backward()
             bwd_mem = tracker.peak - before_bwd - out_bytes
-    if allocator is not None:  # kernel workspaces: only the allocator sees them
+    if allocator is not None:  # kernel workspaces, compiled code: only the allocator sees them
         fwd_mem = max(fwd_mem, allocator.phases["forward"].transient)
         if "backward" in allocator.phases:
             bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
@@ -309,10 +323,14 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
                     if p.requires_grad),
         "fwd_time": fwd_time,
         "bwd_time": bwd_time,
-        "fwd_flops": float(fwd_flops),
+        "fwd_flops": float(flops.get_total_flops()),
         "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
         "out": nxt,
     }
+
+
+COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "fwd_time",
+                 "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
 
 
 @contextlib.contextmanager
@@ -328,40 +346,6 @@ def compiling() -> Iterator[None]:
 def compiled(module: nn.Module) -> nn.Module:
     """`torch.compile` with static shapes: a plan is made for one input shape."""
     return torch.compile(module, dynamic=False)
-
-
-def _compiled_costs(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int) -> dict:
-    """Saved bytes, transient peaks and times of `block` under `torch.compile`."""
-    fn = compiled(block)
-    for _ in range(2):  # compile forward and backward outside the measurement
-        out = fn(x_in)
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
-    del out
-    for p in block.parameters():
-        p.grad = None
-    saved, pack = _saved_recorder(block, unit)
-    with allocator_trace(x_in.device) as trace:
-        with trace.phase("forward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn(x_in)
-        kin, kout = storage_key(x_in), storage_key(out)
-        out_bytes = rounded(out.element_size() * out.numel(), unit)
-        if out.requires_grad:
-            loss = _unit_loss(out)
-            del out
-            with trace.phase("backward"):
-                loss.backward()
-    fwd_time, bwd_time = _time_block(fn, x_in, repeats) if repeats else (0.0, 0.0)
-    backward = trace.phases.get("backward")
-    return {
-        "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
-        "keeps_input": kin in saved,
-        "keeps_output": kout in saved,
-        "fwd_mem": trace.phases["forward"].transient,
-        "bwd_mem": backward.transient - out_bytes if backward else 0,
-        "fwd_time": fwd_time,
-        "bwd_time": bwd_time,
-    }
 
 
 def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
