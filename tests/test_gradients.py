@@ -3,6 +3,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab import gradients
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import (
     Method,
@@ -115,12 +116,26 @@ def test_bp_and_bp_with_checkpointing_train_to_identical_weights():
     assert b.flops_per_step > a.flops_per_step  # recomputation is counted
 
 
-def test_finetuning_trains_only_adapters_and_head():
+def test_finetuning_trains_only_adapters_and_head(monkeypatch):
     model = for_finetuning(mlp(3, in_features=64, width=32), classes=10)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(n.endswith((".a", ".b")) or n.startswith("2.") for n in trainable)
-    run = train("mlp3", "zo:2", steps=10, eval_every=5, finetune=True, lr=1e-3)
-    assert len(run.accuracy) == 3
+    made = []
+
+    def recording(net, classes):
+        tuned = for_finetuning(net, classes)
+        made.append((tuned, {n: p.detach().clone() for n, p in tuned.named_parameters()}))
+        return tuned
+
+    monkeypatch.setattr(gradients, "for_finetuning", recording)
+    for method in ("bp", "zo:2"):
+        run = train("mlp3", method, steps=10, eval_every=5, finetune=True, lr=1e-2)
+        assert len(run.accuracy) == 3
+        tuned, before = made[-1]
+        frozen = [(n, p) for n, p in tuned.named_parameters() if not p.requires_grad]
+        assert frozen and all(torch.equal(p, before[n]) for n, p in frozen)  # bit-identical
+        assert any(not torch.equal(p, before[n]) for n, p in tuned.named_parameters()
+                   if p.requires_grad)
 
 
 def test_verdict_is_computed_from_the_table():

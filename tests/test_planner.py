@@ -9,9 +9,10 @@ from rematlab import zoo
 from rematlab.chain import find_chain, profile_chain
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planner import AutoRemat, auto, plan, prepare
-from rematlab.plans import Plan, none_plan
+from rematlab.plans import Plan, none_plan, simulate, uniform_plan
 from rematlab.solver import solve
 from tests import userzoo
+from tests.meters import own_loop_peak
 
 
 def _budgets(model, x, fractions):
@@ -31,8 +32,9 @@ def test_plan_honours_the_budget_on_measurement(name, batch):
     assert floor <= full
     for budget in budgets:
         chosen = plan(model, x, budget)
-        assert chosen.measured_peak is not None and chosen.measured_peak <= budget
-        assert chosen.predicted_peak <= budget
+        assert chosen.measured_peak is not None and chosen.predicted_peak <= budget
+        # an independent meter: torch's MemTracker around a plain training loop
+        assert own_loop_peak(rematlab.apply(model, chosen), x) <= budget
 
 
 @pytest.mark.parametrize(("name", "batch"), [("vgg16", 32), ("lenet5", 256)])
@@ -58,8 +60,8 @@ def test_infeasible_budget_raises_with_the_minimum_peak():
     with pytest.raises(InfeasibleBudgetError) as info:
         plan(model, x, "1KiB")
     assert info.value.min_peak > 1024
-    chosen = plan(model, x, info.value.min_peak)
-    assert chosen.measured_peak <= info.value.min_peak
+    chosen = plan(model, x, info.value.min_peak)  # the floor is itself a budget
+    assert own_loop_peak(rematlab.apply(model, chosen), x) <= info.value.min_peak
 
 
 def test_planned_model_trains_with_the_same_gradients():
@@ -173,3 +175,22 @@ def test_plan_for_torch_compile_honours_the_budget_on_the_compiled_step(tmp_path
     remat = torch.compile(rematlab.apply(model, chosen))
     F.cross_entropy(remat(x), torch.randint(0, 10, (256,))).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_compare_lists_the_fixed_strategies_with_their_simulated_costs():
+    planning = prepare(zoo.vgg16("cifar"), torch.randn(16, 3, 32, 32), verify=False)
+    n, costs = planning.costs.n, planning.costs
+    rows = {r["strategy"]: r for r in planning.baselines(None)}
+    assert {"none", "sqrt", "selective"} <= set(rows)
+    none_peak, none_time = simulate(none_plan(n), costs)
+    assert rows["none"]["peak"] == none_peak and rows["none"]["overhead"] == 0.0
+    for r in rows.values():
+        assert r["peak_ratio"] == pytest.approx(r["peak"] / none_peak)
+        assert r["overhead"] == pytest.approx(r["time"] / none_time - 1.0)
+        assert r["fits"]
+    # with a budget, the uniform row is the fastest uniform count that fits it
+    budget = int(0.5 * (planning.floor + none_peak))
+    uniform = next(r for r in planning.baselines(budget) if r["strategy"].startswith("uniform"))
+    fitting = [simulate(uniform_plan(n, k), costs) for k in range(2, n + 1)]
+    assert uniform["time"] == min(t for p, t in fitting if p <= budget)
+    assert uniform["fits"]

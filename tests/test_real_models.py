@@ -3,13 +3,13 @@ dict batches and labels, a ResNet with in-place ReLU, a U-Net, a model with seve
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import rematlab
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.layers import find_layers, remat_of
-from rematlab.steps import call, default_loss, detached, make_optimizer, tensors
+from rematlab.steps import call, default_loss, detached
 from tests import realzoo
+from tests.meters import own_loop_peak
 
 
 def _grads(model, batch, seed: int = 1) -> list[torch.Tensor]:
@@ -47,29 +47,6 @@ def test_float64_gradients_equal_the_plain_model_with_dropout_replayed(name, str
     assert remat_of(remat).recompute.segments > 0
 
 
-def _own_loop_peak(model, batch) -> int:
-    """The peak of the user's own loop, by torch's MemTracker (an independent meter): two
-    warm-up steps (optimizer state), then one tracked step, the output alive until the end."""
-    opt = make_optimizer("momentum", model.parameters())
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        out = call(model, batch)
-        default_loss(out, batch).backward()
-        opt.step()
-        return out
-
-    step()
-    step()
-    opt.zero_grad(set_to_none=True)
-    mt = MemTracker()
-    mt.track_external(model, opt, *tensors(batch))
-    with mt:
-        del_me = step()
-        del del_me
-    return max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
-
-
 @pytest.mark.parametrize("name", sorted(realzoo.MODELS))
 def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budget(name):
     model, batch = realzoo.MODELS[name](batch=8)
@@ -87,7 +64,7 @@ def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budge
         assert chosen.measured_peak <= budget
         remat = rematlab.apply(model, chosen, example_input=batch)
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        assert _own_loop_peak(remat, batch) <= budget
+        assert own_loop_peak(remat, batch) <= budget
         model.load_state_dict(state)
 
 

@@ -60,7 +60,8 @@ def _results() -> StudyResults:
 
 
 def test_report_has_every_section_and_embeds_every_figure(tmp_path):
-    html, md = render(_results(), tmp_path)
+    res = _results()
+    html, md = render(res, tmp_path)
     text = html.read_text()
     parser = _Links()
     parser.feed(text)
@@ -73,7 +74,12 @@ def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     assert all(h[1:] in parser.ids for h in parser.hrefs if h.startswith("#"))
     assert not [h for h in parser.hrefs if not h.startswith("#")]  # opens offline
     assert "0.8594" in text and "0.833" in text  # the study's R² beside ours
-    assert "confirmed" in text and "BP+checkpointing" in text
+    assert "BP+checkpointing" in text
+    claim_lines = {line.split("|")[1].strip(): line for line in md.read_text().splitlines()
+                   if line.startswith("| (")}
+    for claim in res.stats["claims"]:  # each claim's own verdict, in its own row
+        cells = [c.strip() for c in claim_lines[claim["claim"]].split("|")]
+        assert claim["verdict"] in cells, (claim, cells)
     assert "All measurements ran on CPU" in text
     mdtext = md.read_text()
     for fig in re.findall(r"\((figures/[a-z_]+\.png)\)", mdtext):

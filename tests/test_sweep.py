@@ -239,3 +239,20 @@ def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps
                            [failed_row(spec, "oom", "cap")], 0.0)
     again = sweep(grid, db)
     assert (again.skipped, again.retried, len(again)) == (1, 0, 0)
+
+
+@pytest.mark.parametrize(("model", "outcome", "needle"), [
+    ("tests.userzoo:killed_by_the_kernel", "oom", "worker died"),
+    ("tests.userzoo:slow", "error", "timeout after 3 s"),
+    ("tests.userzoo:tiny", "ok", None),
+])
+def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, outcome, needle):
+    from rematlab.measure import Spec
+    from rematlab.sweep import run_isolated
+
+    spec = Spec(model=model, batch=4, input_shape=(4,), repeats=1)
+    out = run_isolated(spec, timeout=3 if "slow" in model else 120)
+    (row, *_) = out["rows"]
+    assert row["outcome"] == outcome, row["error"]
+    if needle:
+        assert needle in row["error"] and out["measured_s"] == 0.0

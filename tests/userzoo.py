@@ -95,3 +95,20 @@ class TinyTransformer(nn.Module):
             x = x + attn(h, h, h, need_weights=False)[0]
             x = x + mlp(n2(x))
         return self.head(x.mean(dim=1))
+
+
+def killed_by_the_kernel() -> nn.Module:
+    """What the OOM killer does to a worker: SIGKILL, no exception, no message."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+def slow() -> nn.Module:
+    """A model whose construction outlives any short timeout."""
+    import time
+
+    time.sleep(60)
+    return tiny()

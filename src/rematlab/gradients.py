@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rematlab import zoo
 from rematlab.exceptions import ConfigError
 from rematlab.probes import LiveTensorTracker
+from rematlab.steps import make_optimizer
 from rematlab.strategies import apply as apply_strategy
 
 LossFn = Callable[[nn.Module], torch.Tensor]
@@ -350,7 +351,7 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
         net = for_finetuning(net, task.classes)
     model = apply_strategy(net, m.strategy) if m.kind == "bp+ckpt" else net
     params = [p for _, p in _trainable(model)]
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+    opt = make_optimizer("momentum", params, lr=lr)
     run = Run(model_name, str(m), seed, lr, finetune)
     gen = torch.Generator().manual_seed(seed)
     batch_x, batch_y = task.x_train[:batch], task.y_train[:batch]
