@@ -9,6 +9,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from rematlab.measure import Spec, failed_row
+from rematlab.store import Store, config_id
+
 HERE = Path(__file__).parent
 
 
@@ -30,6 +33,11 @@ def files(tmp_path_factory):
     (d / "syntax_err.py").write_text("def broken(:\n")
     (d / "raises.py").write_text("def model():\n    raise RuntimeError('boom')\n")
     shutil.copy(HERE / "userzoo.py", d / "userzoo_copy.py")
+    with Store(d / "oom_only.duckdb") as store:  # results, none of them usable
+        for batch in (1, 2, 3):
+            spec = Spec(model="mlp3", batch=batch)
+            store.write_config(config_id(spec.to_dict()), "s", spec.to_dict(),
+                               [failed_row(spec, "oom", "cap")], 0.0)
     return d
 
 
@@ -76,6 +84,8 @@ CASES = [
     ("export", ["--db", "{d}/missing.duckdb", "--out", "{d}/x.parquet"], "does not exist"),
     ("stats", ["--db", "{d}/empty.duckdb"], "database"),
     ("stats", ["--db", "{d}/foreign.duckdb"], "not a rematlab"),
+    ("stats", ["--db", "{d}/oom_only.duckdb"], "no ok configuration"),
+    ("fit", ["--db", "{d}/oom_only.duckdb", "--out", "{d}/p.skops"], "at least 10"),
     ("fit", ["--db", "{d}/garbage.duckdb", "--out", "{d}/p.skops"], "database"),
     ("fit", ["--db", "{d}/foreign.duckdb", "--out", "{d}/foreign.duckdb"], "also an input"),
     # predict

@@ -47,6 +47,7 @@ ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_larges
             "log_fwd_flops", "log_recompute_flops", "log_analytic_peak", "log_batch",
             "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
             "log_peak_flops", "log_bandwidth", "log_input_bytes"]
+MIN_FIT = 10  # configurations: five folds of two
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 # The types beyond skops' defaults that a fitted predictor holds: the tree structures of the
 # boosting and random-forest models. An exact list, never a prefix: a prefix such as "numpy."
@@ -140,6 +141,9 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
 def dataset(summary: pd.DataFrame) -> pd.DataFrame:
     """Features and targets of every `ok` configuration of a `config_summary` frame."""
     ok = summary[summary["outcome"] == "ok"].reset_index(drop=True)
+    if len(ok) < MIN_FIT:
+        raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit predictors, the "
+                          f"dataset has {len(ok)}")
     rows = []
     for _, r in ok.iterrows():
         shape = tuple(int(v) for v in str(r["cfg_input_shape"]).split(",")) if isinstance(
@@ -288,8 +292,9 @@ class Predictor:
         """Per target, pick the candidate with the lowest out-of-fold MAPE, then refit it on
         all data; the interval half-width is the `coverage` quantile of its out-of-fold
         absolute log error."""
-        if len(data) < 10:
-            raise ConfigError(f"need at least 10 ok configurations to fit, got {len(data)}")
+        if len(data) < MIN_FIT:
+            raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit, got "
+                              f"{len(data)}")
         folds = list(KFold(n_splits=5, shuffle=True, random_state=0).split(data))
         for target, names in CANDIDATES.items():
             y = data[target].to_numpy(float)

@@ -32,6 +32,8 @@ import pandas as pd
 from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
+from rematlab.exceptions import ConfigError
+
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
 MIN_BLOCKS = 6  # below this a two-sided signed-rank test cannot reach p < 0.05
@@ -155,6 +157,8 @@ def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
     """All tests, effect sizes, guidelines and the claims check on a `config_summary` frame
     (and the `runs` frame for repeat-level noise)."""
     s = settings or Settings()
+    if not (summary["outcome"] == "ok").any():
+        raise ConfigError("the dataset has no ok configuration to analyze")
     ratios = paired_log_ratios(summary)
     blocks = ratios["block"].nunique() if len(ratios) else 0
     notes = []

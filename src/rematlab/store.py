@@ -240,7 +240,11 @@ class Store:
             raise ConfigError(f"unknown table {table!r}")
         order = {"runs": "config_id, repeat", "configs": "config_id",
                  "sweeps": "started_at", "config_summary": "config_id"}[table]
-        return self.con.execute(f"SELECT * FROM {table} ORDER BY {order}").df()
+        try:
+            return self.con.execute(f"SELECT * FROM {table} ORDER BY {order}").df()
+        except duckdb.Error as exc:  # blocks that no longer read back
+            raise ConfigError(f"database {self.path} is damaged: "
+                              f"{str(exc).splitlines()[0]}") from None
 
     def export(self, out: str | Path, fmt: str, table: str = "runs") -> Path:
         if fmt not in ("parquet", "csv"):
