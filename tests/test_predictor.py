@@ -9,6 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import skops.io as sio
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.model_selection import KFold, cross_val_predict
 
 from rematlab import predictor as P
 from rematlab.exceptions import ConfigError, parse_bytes
@@ -27,21 +30,38 @@ def _frame(n: int = 40) -> pd.DataFrame:
     return pd.DataFrame(cols)
 
 
-@pytest.mark.parametrize("target", ["time", "memory"])
-@pytest.mark.parametrize("name", sorted({*P.MODELS["time"], *P.MODELS["memory"]}))
-def test_every_model_fits_predicts_and_survives_a_skops_round_trip(tmp_path, target, name):
-    if name not in P.MODELS[target]:
-        pytest.skip(f"{name} is not a {target} model")
+ALL = sorted((name, target) for target, names in P.MODELS.items() for name in names)
+
+
+@pytest.mark.parametrize(("name", "target"), ALL)
+def test_every_model_keeps_the_estimator_contract_and_survives_a_skops_round_trip(
+        tmp_path, name, target):
     data = _frame()
-    model = P._Model(name, target)
-    fitted = model.fit(data, data[target].to_numpy(float))
-    before = model.predict(fitted, data)
-    assert np.all(np.isfinite(before)) and np.all(before > 0)
-    sio.dump({"m": fitted}, str(tmp_path / "m.skops"))
+    y = data[target].to_numpy(float)
+    model = P.make_model(name)
+    with pytest.raises(NotFittedError):
+        model.predict(data)
+    params = model.get_params()
+    assert clone(model).get_params().keys() == params.keys()  # the constructor only stores
+    assert model.fit(data, y) is model
+    before = model.predict(data)
+    assert before.shape == y.shape and np.all(np.isfinite(before)) and np.all(before > 0)
+    oof = cross_val_predict(P.make_model(name), data, y, cv=KFold(5))  # model selection
+    assert oof.shape == y.shape
+    sio.dump({"m": model}, str(tmp_path / "m.skops"))
     untrusted = set(sio.get_untrusted_types(file=str(tmp_path / "m.skops")))
     assert untrusted <= P.SAVED_TYPES  # the exact list covers everything fit can write
     loaded = sio.load(str(tmp_path / "m.skops"), trusted=list(untrusted))["m"]
-    np.testing.assert_array_equal(model.predict(loaded, data), before)
+    np.testing.assert_array_equal(loaded.predict(data), before)
+
+
+def test_the_corrected_models_learn_a_planted_correction():
+    data = _frame(80)
+    data["memory"] = data["analytic_peak"] * 1.25  # the analytic model is 20 % low
+    fitted = P.make_model("analytic+gbr").fit(data, data["memory"].to_numpy(float))
+    np.testing.assert_allclose(fitted.predict(data), data["memory"], rtol=0.01)
+    assert P.make_model("analytic").fit(data, data["memory"]).predict(data) == \
+        pytest.approx(data["analytic_peak"].to_numpy())
 
 
 def test_predictor_save_and_load_give_the_same_predictions(tmp_path):

@@ -26,13 +26,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.base import BaseEstimator, RegressorMixin, clone
 from sklearn.compose import ColumnTransformer
 from sklearn.ensemble import HistGradientBoostingRegressor, RandomForestRegressor
-from sklearn.linear_model import SGDRegressor
-from sklearn.metrics import r2_score
-from sklearn.model_selection import KFold
+from sklearn.linear_model import LinearRegression, SGDRegressor
+from sklearn.metrics import mean_absolute_percentage_error, r2_score
+from sklearn.model_selection import KFold, LeaveOneGroupOut, cross_val_predict
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
+from sklearn.utils.validation import check_is_fitted
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
@@ -49,10 +51,12 @@ ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_larges
             "log_peak_flops", "log_bandwidth", "log_input_bytes"]
 MIN_FIT = 10  # configurations: five folds of two
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
-# The types beyond skops' defaults that a fitted predictor holds: the tree structures of the
-# boosting and random-forest models. An exact list, never a prefix: a prefix such as "numpy."
-# admits functions that run code when a crafted file names them.
+# The types beyond skops' defaults that a fitted predictor holds: our estimators and the tree
+# structures of the boosting and random-forest models. An exact list, never a prefix: a
+# prefix such as "numpy." admits functions that run code when a crafted file names them.
 SAVED_TYPES = frozenset({
+    "rematlab.predictor.AnalyticPeak", "rematlab.predictor.Corrected",
+    "rematlab.predictor.Floored", "rematlab.predictor.LogTarget", "rematlab.predictor.Roofline",
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
     "sklearn.tree._tree.Tree",
 })
@@ -173,58 +177,106 @@ def _analytic_pipeline() -> Pipeline:
         max_iter=300, learning_rate=0.05, min_samples_leaf=5, random_state=0))])
 
 
-def _roofline() -> Pipeline:
-    """time ~ a * conv FLOP-seconds + b * matmul FLOP-seconds + c * byte-seconds + d * ops + e,
-    non-negative, fitted for relative error (convolutions and matrix products reach different
-    fractions of a device's peak)."""
-    from sklearn.linear_model import LinearRegression
-
-    pre = ColumnTransformer([("num", "passthrough", ROOFLINE)])
-    return Pipeline([("pre", pre), ("model", LinearRegression(positive=True))])
-
-
 ROOFLINE = ["conv_flops_s", "mm_flops_s", "bytes_s", "ops"]
 
 
-@dataclass
-class _Model:
-    """One predictor of one target: how it is fitted and how it predicts."""
+class AnalyticPeak(RegressorMixin, BaseEstimator):
+    """Memory as the analytic model simulates it (`analytic_peak`): nothing to learn."""
 
-    name: str
-    target: str  # time | memory
+    def fit(self, X: pd.DataFrame, y: np.ndarray) -> AnalyticPeak:
+        self.n_features_in_ = X.shape[1]
+        return self
 
-    def fit(self, X: pd.DataFrame, y: np.ndarray):
-        if self.name == "analytic":
-            return None
-        if self.name == "sgd":
-            return _config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6,
-                                                 random_state=0)).fit(X, y)
-        if self.name == "rf":
-            return _config_pipeline(RandomForestRegressor(n_estimators=200,
-                                                          random_state=0)).fit(X, y)
-        if self.name == "gbr":
-            return _analytic_pipeline().fit(X, np.log(y))
-        if self.name == "analytic+gbr":
-            return _analytic_pipeline().fit(X, np.log(y / X["analytic_peak"].to_numpy(float)))
-        roof = _roofline().fit(X, y, model__sample_weight=1.0 / y**2)
-        if self.name == "roofline":
-            return {"roofline": roof}
-        residual = np.log(y / np.maximum(roof.predict(X), 1e-12))
-        return {"roofline": roof, "correction": _analytic_pipeline().fit(X, residual)}
+    def predict(self, X: pd.DataFrame) -> np.ndarray:
+        check_is_fitted(self)
+        return X["analytic_peak"].to_numpy(float)
 
-    def predict(self, fitted, X: pd.DataFrame) -> np.ndarray:
-        if self.name == "analytic":
-            return X["analytic_peak"].to_numpy(float)
-        if self.name in ("sgd", "rf"):
-            return np.maximum(fitted.predict(X), 1e-12)
-        if self.name == "gbr":
-            return np.exp(fitted.predict(X))
-        if self.name == "analytic+gbr":
-            return X["analytic_peak"].to_numpy(float) * np.exp(fitted.predict(X))
-        out = np.maximum(fitted["roofline"].predict(X), 1e-12)
-        if "correction" in fitted:
-            out = out * np.exp(fitted["correction"].predict(X))
-        return out
+
+class Roofline(RegressorMixin, BaseEstimator):
+    """time ~ a * conv FLOP-seconds + b * matmul FLOP-seconds + c * byte-seconds + d * ops + e,
+    non-negative, fitted for relative error (weights 1/y²): convolutions and matrix products
+    reach different fractions of a device's peak."""
+
+    def fit(self, X: pd.DataFrame, y: np.ndarray) -> Roofline:
+        pre = ColumnTransformer([("num", "passthrough", ROOFLINE)])
+        self.model_ = Pipeline([("pre", pre), ("model", LinearRegression(positive=True))])
+        self.model_.fit(X, y, model__sample_weight=1.0 / np.asarray(y, float) ** 2)
+        return self
+
+    def predict(self, X: pd.DataFrame) -> np.ndarray:
+        check_is_fitted(self)
+        return np.maximum(self.model_.predict(X), 1e-12)
+
+
+class LogTarget(RegressorMixin, BaseEstimator):
+    """`regressor` fitted on log(y): relative errors weigh alike across scales."""
+
+    def __init__(self, regressor: BaseEstimator) -> None:
+        self.regressor = regressor
+
+    def fit(self, X: pd.DataFrame, y: np.ndarray) -> LogTarget:
+        self.regressor_ = clone(self.regressor).fit(X, np.log(np.asarray(y, float)))
+        return self
+
+    def predict(self, X: pd.DataFrame) -> np.ndarray:
+        check_is_fitted(self)
+        return np.exp(self.regressor_.predict(X))
+
+
+class Corrected(RegressorMixin, BaseEstimator):
+    """A physical model (`base`) times a learned correction: `correction` fitted on the log
+    of the base model's residual ratio."""
+
+    def __init__(self, base: BaseEstimator, correction: BaseEstimator) -> None:
+        self.base = base
+        self.correction = correction
+
+    def fit(self, X: pd.DataFrame, y: np.ndarray) -> Corrected:
+        self.base_ = clone(self.base).fit(X, y)
+        ratio = np.asarray(y, float) / np.maximum(self.base_.predict(X), 1e-12)
+        self.correction_ = clone(self.correction).fit(X, np.log(ratio))
+        return self
+
+    def predict(self, X: pd.DataFrame) -> np.ndarray:
+        check_is_fitted(self)
+        return self.base_.predict(X) * np.exp(self.correction_.predict(X))
+
+
+class Floored(RegressorMixin, BaseEstimator):
+    """`regressor` with predictions floored at a positive epsilon (raw-target baselines can
+    predict negative times, which no error in percent can score)."""
+
+    def __init__(self, regressor: BaseEstimator) -> None:
+        self.regressor = regressor
+
+    def fit(self, X: pd.DataFrame, y: np.ndarray) -> Floored:
+        self.regressor_ = clone(self.regressor).fit(X, y)
+        return self
+
+    def predict(self, X: pd.DataFrame) -> np.ndarray:
+        check_is_fitted(self)
+        return np.maximum(self.regressor_.predict(X), 1e-12)
+
+
+def make_model(name: str) -> BaseEstimator:
+    """A fresh, unfitted estimator by name (see the module docstring)."""
+    if name == "sgd":
+        return Floored(_config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6, random_state=0)))
+    if name == "rf":
+        return Floored(_config_pipeline(RandomForestRegressor(n_estimators=200,
+                                                              random_state=0)))
+    if name == "gbr":
+        return LogTarget(_analytic_pipeline())
+    if name == "analytic":
+        return AnalyticPeak()
+    if name == "analytic+gbr":
+        return Corrected(AnalyticPeak(), _analytic_pipeline())
+    if name == "roofline":
+        return Roofline()
+    if name == "roofline+gbr":
+        return Corrected(Roofline(), _analytic_pipeline())
+    raise ConfigError(f"unknown predictor model {name!r}; choose one of "
+                      f"{sorted({*MODELS['time'], *MODELS['memory']})}")
 
 
 MODELS = {"time": ["sgd", "rf", "gbr", "roofline", "roofline+gbr"],
@@ -236,23 +288,23 @@ CANDIDATES = {"time": ["gbr", "roofline", "roofline+gbr"],
 def _metrics(y: np.ndarray, p: np.ndarray) -> dict:
     ape = np.abs(p - y) / np.abs(y)
     return {"r2": float(r2_score(y, p)) if len(y) > 1 else math.nan,
-            "mape": float(np.mean(ape)), "p90_ape": float(np.percentile(ape, 90)), "n": len(y)}
+            "mape": float(mean_absolute_percentage_error(y, p)),
+            "p90_ape": float(np.percentile(ape, 90)), "n": len(y)}
 
 
-def _splits(data: pd.DataFrame, protocol: str, seed: int = 0):
-    if protocol == "random 80/20":  # the study's protocol, repeated over 5 disjoint folds
-        yield from KFold(n_splits=5, shuffle=True, random_state=seed).split(data)
-        return
+def _cv(data: pd.DataFrame, protocol: str, seed: int = 0):
+    """scikit-learn splitter and groups of a protocol: the study's random 80/20, repeated over
+    5 disjoint folds, or leaving one architecture / batch size / device out."""
+    if protocol == "random 80/20":
+        return KFold(n_splits=5, shuffle=True, random_state=seed), None
     column = {"leave one architecture out": "model", "leave one batch size out": "batch",
               "leave one device out": "device_key"}[protocol]
-    for value in sorted(data[column].unique()):
-        test = np.flatnonzero(data[column].to_numpy() == value)
-        train = np.flatnonzero(data[column].to_numpy() != value)
-        yield train, test
+    return LeaveOneGroupOut(), data[column].to_numpy()
 
 
 def evaluate(data: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """One table, every model in rows, per protocol and target: R², MAPE, P90 APE."""
+    """One table, every model in rows, per protocol and target: R², MAPE, P90 APE, from
+    out-of-fold predictions (`cross_val_predict`)."""
     protocols = ["random 80/20", "leave one architecture out", "leave one batch size out"]
     if data["device_key"].nunique() > 1:
         protocols.append("leave one device out")
@@ -260,20 +312,14 @@ def evaluate(data: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     for target, names in MODELS.items():
         y = data[target].to_numpy(float)
         for name in names:
-            model = _Model(name, target)
             for protocol in protocols:
-                ys, ps = [], []
-                for train, test in _splits(data, protocol, seed):
-                    if len(train) < 5 or not len(test):
-                        continue
-                    pipe = model.fit(data.iloc[train], y[train])
-                    ys.append(y[test])
-                    ps.append(model.predict(pipe, data.iloc[test]))
-                if not ys:
+                cv, groups = _cv(data, protocol, seed)
+                if groups is not None and len(np.unique(groups)) < 2:
                     continue
+                oof = cross_val_predict(make_model(name), data, y, cv=cv, groups=groups)
                 label = name + (" (study baseline)" if name in ("sgd", "rf") else "")
                 rows.append({"target": target, "model": label, "protocol": protocol,
-                             **_metrics(np.concatenate(ys), np.concatenate(ps))})
+                             **_metrics(y, oof)})
     return pd.DataFrame(rows)
 
 
@@ -295,17 +341,13 @@ class Predictor:
         if len(data) < MIN_FIT:
             raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit, got "
                               f"{len(data)}")
-        folds = list(KFold(n_splits=5, shuffle=True, random_state=0).split(data))
+        folds = KFold(n_splits=5, shuffle=True, random_state=0)
         for target, names in CANDIDATES.items():
             y = data[target].to_numpy(float)
             best = None
             for name in names:
-                model = _Model(name, target)
-                oof = np.empty(len(y))
-                for train, test in folds:
-                    oof[test] = model.predict(model.fit(data.iloc[train], y[train]),
-                                              data.iloc[test])
-                err = float(np.mean(np.abs(oof - y) / y))
+                oof = cross_val_predict(make_model(name), data, y, cv=folds)
+                err = float(mean_absolute_percentage_error(y, oof))
                 if best is None or err < best[1]:
                     best = (name, err, oof)
             name, _, oof = best
@@ -313,15 +355,15 @@ class Predictor:
             self.oof_[target] = oof
             self.half_width_[target] = float(np.quantile(np.abs(np.log(oof / y)),
                                                          self.coverage))
-            self.fitted_[target] = _Model(name, target).fit(data, y)
+            self.fitted_[target] = make_model(name).fit(data, y)
         return self
 
     def predict(self, X: pd.DataFrame) -> pd.DataFrame:
         if not self.fitted_:
             raise ConfigError("this predictor is not fitted: call fit() or load a saved one")
         out = {}
-        for target, name in self.names_.items():
-            p = _Model(name, target).predict(self.fitted_[target], X)
+        for target in self.names_:
+            p = self.fitted_[target].predict(X)
             w = self.half_width_[target]
             out[target] = p
             out[f"{target}_low"] = p * math.exp(-w)
