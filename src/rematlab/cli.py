@@ -372,14 +372,11 @@ def fit(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Fit and evaluate the time and memory predictors; print the evaluation table."""
-    from rematlab.predictor import Predictor, dataset, evaluate
+    from rematlab.predictor import fit_and_evaluate
     from rematlab.store import load
 
     refuse_overwriting_inputs(out, [db])
-    data = dataset(load(db, "config_summary"))
-    table = evaluate(data)
-    predictor = Predictor().fit(data)
-    predictor.save(out)
+    predictor, table, data = fit_and_evaluate(load(db, "config_summary"), out)
     if as_json:
         _print_json({"evaluation": table.to_dict(orient="records"),
                      "models": predictor.names_, "predictor": str(out)})

@@ -118,12 +118,7 @@ class Spec:
             strat.load()  # a missing or malformed plan file is bad input, not a failed run
         parse_device(self.device)
         if self.model in zoo.REGISTRY:
-            info = zoo.REGISTRY[self.model]
-            scale = self.input or info.default_scale
-            if scale not in info.scales:
-                raise ConfigError(f"input {scale!r} is not available for {self.model}; choose "
-                                  f"one of {sorted(info.scales)}")
-            return replace(self, input=scale)
+            return replace(self, input=zoo.scale_of(self.model, self.input))
         if ":" not in self.model:
             raise ConfigError(f"unknown model {self.model!r}; choose one of "
                               f"{sorted(zoo.REGISTRY)} or give module.path:factory")

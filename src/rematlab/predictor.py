@@ -417,3 +417,16 @@ def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | No
             "peak_bytes_interval": [float(row["memory_low"]), float(row["memory_high"])],
             "analytic_peak_bytes": float(f["analytic_peak"].iloc[0]),
             "coverage": pred.coverage, "models": dict(pred.names_)}
+
+
+def fit_and_evaluate(summary: pd.DataFrame, out: str | Path | None = None
+                     ) -> tuple[Predictor, pd.DataFrame, pd.DataFrame]:
+    """Features of every ok configuration of a `config_summary` frame, the evaluation table,
+    and the predictor fitted on all of them (saved to `out` when given): what `rematlab fit`
+    and the study's predictor stage both do."""
+    data = dataset(summary)
+    table = evaluate(data)
+    predictor = Predictor().fit(data)
+    if out is not None:
+        predictor.save(out)
+    return predictor, table, data

@@ -148,12 +148,9 @@ def run_study(settings: StudySettings, say: Say = print,
 
 
 def _predict_stage(summary: pd.DataFrame, out: Path) -> dict:
-    from rematlab.predictor import Predictor, dataset, evaluate
+    from rematlab.predictor import fit_and_evaluate
 
-    data = dataset(summary)
-    evaluation = evaluate(data)
-    predictor = Predictor().fit(data)
-    predictor.save(out / "predictor.skops")
+    predictor, evaluation, data = fit_and_evaluate(summary, out / "predictor.skops")
     predictions = [{"target": t, "measured": float(m), "predicted": float(p)}
                    for t in ("time", "memory")
                    for m, p in zip(data[t], predictor.oof_[t], strict=True)]

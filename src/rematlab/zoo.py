@@ -145,6 +145,17 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def scale_of(model: str, scale: str | None) -> str:
+    """The input scale of a zoo model: `scale`, or its default; a `ConfigError` naming the
+    available ones otherwise."""
+    info = REGISTRY[model]
+    scale = scale or info.default_scale
+    if scale not in info.scales:
+        raise ConfigError(f"input {scale!r} is not available for {model}; choose one of "
+                          f"{sorted(info.scales)}")
+    return scale
+
+
 def resolve(
     model: str, scale: str | None = None, input_shape: tuple[int, ...] | None = None
 ) -> tuple[nn.Module, tuple[int, ...], str]:
@@ -152,13 +163,8 @@ def resolve(
     (`input_shape`, per sample, for a user model: None when its batches come from a factory),
     and the scale."""
     if model in REGISTRY:
-        info = REGISTRY[model]
-        scale = scale or info.default_scale
-        if scale not in info.scales:
-            raise ConfigError(
-                f"input {scale!r} is not available for {model}; choose one of {sorted(info.scales)}"
-            )
-        return info.build(scale), input_shape or info.scales[scale], scale
+        scale = scale_of(model, scale)
+        return REGISTRY[model].build(scale), input_shape or REGISTRY[model].scales[scale], scale
     if ":" not in model:
         raise ConfigError(
             f"unknown model {model!r}; choose one of {sorted(REGISTRY)} or give module.path:factory"
