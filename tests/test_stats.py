@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from scipy import stats as sps
 
 from rematlab.stats import Settings, analyze, hodges_lehmann
 from tests import synthetic
@@ -29,6 +30,21 @@ def test_no_effect_is_not_confirmed():
     report = analyze(frame, settings=FAST)
     claim1 = _claim(report, "(1)")
     assert set(claim1["verdict"]) == {"not confirmed"}
+
+
+def test_partial_ties_in_memory_go_through_zsplit_not_the_all_zero_shortcut():
+    frame = synthetic.summary({"vgg16": (0.6, 1.2), "alexnet": (0.6, 1.2)})
+    none = frame[frame["cfg_strategy"] == "none"].set_index(["cfg_model", "cfg_batch"])
+    tie = (frame["cfg_strategy"] == "sqrt") & frame["cfg_batch"].isin([16, 64, 256])
+    frame.loc[tie, "peak_bytes_median"] = [
+        none.loc[(m, b), "peak_bytes_median"]
+        for m, b in zip(frame.loc[tie, "cfg_model"], frame.loc[tie, "cfg_batch"], strict=True)]
+    report = analyze(frame, settings=FAST)
+    row = report.pairwise.query("response == 'memory' and a == 'none' and b == 'sqrt'").iloc[0]
+    d = [0.0] * 6 + [float(np.log(0.6))] * 6  # six tied blocks, six with 40 % less memory
+    assert row["blocks"] == 12
+    assert row["p"] == pytest.approx(sps.wilcoxon(d, zero_method="zsplit").pvalue)
+    assert 0.0 < row["p"] < 1.0
 
 
 def test_ties_in_memory_are_handled():
