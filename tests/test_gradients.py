@@ -4,19 +4,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import gradients
+from rematlab.estimators import Method, direction, estimate, fmad_gradient, perturbed, zo_gradient
 from rematlab.exceptions import ConfigError
-from rematlab.gradients import (
-    Method,
-    direction,
-    estimate,
-    fmad_gradient,
-    for_finetuning,
-    perturbed,
-    summarize,
-    train,
-    verdict,
-    zo_gradient,
-)
+from rematlab.gradients import summarize, train, verdict
+from rematlab.tasks import for_finetuning
 from rematlab.zoo import mlp
 
 

@@ -1,6 +1,7 @@
 """Backprop with checkpointing versus forward-mode AD and zeroth-order training.
 
-One training loop, interchangeable gradient estimators, all feeding the same optimizer:
+One training loop, interchangeable gradient estimators (`rematlab.estimators`), all feeding the
+same optimizer, on the tasks of `rematlab.tasks`:
 
 - `bp`: backpropagation;
 - `bp+ckpt[:STRATEGY]`: backpropagation through `rematlab.apply(model, STRATEGY)` (sqrt);
@@ -8,269 +9,27 @@ One training loop, interchangeable gradient estimators, all feeding the same opt
   with `torch.func.jvp` — no activations are stored;
 - `zo:K`: two-point SPSA, g = mean over K directions z of (f(θ+εz) - f(θ-εz)) / 2ε · z, with
   MeZO's seed trick: z is never stored, it is regenerated from a per-direction seed when needed.
-
-Design note — the seed trick without drift. MeZO perturbs the weights in place
-(θ += εz, θ -= 2εz, θ += εz), which restores θ only up to floating-point rounding. Here the
-perturbation is applied per layer while that layer runs (its weights plus ε·z for that layer,
-regenerated from the seed, then dropped): no copy of the parameters is made, at most one
-layer's perturbation is alive, and the parameters are never written — they are restored
-bit-exactly by construction.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, jvp
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab import zoo
-from rematlab.exceptions import ConfigError
+from rematlab.estimators import LossFn, Method, estimate, trainable
 from rematlab.probes import LiveTensorTracker
 from rematlab.steps import make_optimizer
 from rematlab.strategies import apply as apply_strategy
-
-LossFn = Callable[[nn.Module], torch.Tensor]
-
-
-# --- estimators -----------------------------------------------------------------------------
-
-
-def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
-def direction(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
-    """The seed trick: the same (seed, parameter index) always regenerates the same z."""
-    gen = torch.Generator(device=like.device).manual_seed(seed * 1_000_003 + index)
-    return torch.randn(like.shape, generator=gen, device=like.device, dtype=like.dtype)
-
-
-@contextlib.contextmanager
-def perturbed(model: nn.Module, seed: int, eps: float) -> Iterator[None]:
-    """Run `model` as if every trainable parameter were θ + eps·z(seed); see module note."""
-    index = {id(p): i for i, (_, p) in enumerate(_trainable(model))}
-    patched = []
-    for module in model.modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        original = module.forward
-
-        def forward(*args, _m=module, _own=own, _orig=original, **kwargs):
-            shifted = {n: p + eps * direction(seed, index[id(p)], p) for n, p in _own}
-            _m.forward = _orig
-            try:
-                return functional_call(_m, shifted, args, kwargs)
-            finally:
-                _m.forward = forward_ref[id(_m)]
-
-        patched.append((module, original))
-        module.forward = forward
-    forward_ref = {id(m): m.forward for m, _ in patched}
-    try:
-        yield
-    finally:
-        for module, original in patched:
-            module.forward = original
-
-
-def zo_gradient(model: nn.Module, loss_fn: LossFn, k: int, eps: float, seed: int) -> torch.Tensor:
-    """Two-point SPSA averaged over k directions into `.grad`; returns the unperturbed loss
-    estimate (mean of the two evaluations)."""
-    params = _trainable(model)
-    for _, p in params:
-        p.grad = torch.zeros_like(p)
-    losses = []
-    with torch.no_grad():
-        for j in range(k):
-            s = seed + j
-            with perturbed(model, s, eps):
-                plus = loss_fn(model)
-            with perturbed(model, s, -eps):
-                minus = loss_fn(model)
-            proj = (plus - minus) / (2 * eps)
-            for i, (_, p) in enumerate(params):
-                p.grad.add_(direction(s, i, p), alpha=float(proj) / k)
-            losses.append((plus + minus) / 2)
-    return torch.stack(losses).mean()
-
-
-def fmad_gradient(model: nn.Module, loss_fn: LossFn, k: int, seed: int) -> torch.Tensor:
-    """Forward gradient averaged over k directions into `.grad` (torch.func.jvp)."""
-    params = _trainable(model)
-    names = [n for n, _ in params]
-    primals = tuple(p.detach() for _, p in params)
-    for _, p in params:
-        p.grad = torch.zeros_like(p)
-
-    def f(*values: torch.Tensor) -> torch.Tensor:
-        return loss_fn(_Bound(model, dict(zip(names, values, strict=True))))
-
-    loss = torch.zeros(())
-    for j in range(k):
-        tangents = tuple(direction(seed + j, i, p) for i, p in enumerate(primals))
-        loss, slope = jvp(f, primals, tangents)
-        for (_, p), v in zip(params, tangents, strict=True):
-            p.grad.add_(v, alpha=float(slope) / k)
-    return loss.detach()
-
-
-class _Bound(nn.Module):
-    """`model` called with some parameters replaced (torch.func.functional_call)."""
-
-    def __init__(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.model, self.values = model, values
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, self.values, (x,))
-
-
-def bp_gradient(model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
-    for _, p in _trainable(model):
-        p.grad = None
-    loss = loss_fn(model)
-    loss.backward()
-    return loss.detach()
-
-
-@dataclass(frozen=True)
-class Method:
-    """`bp`, `bp+ckpt[:STRATEGY]`, `fmad:K` or `zo:K`."""
-
-    kind: str
-    k: int = 1
-    strategy: str = "sqrt"
-
-    @classmethod
-    def parse(cls, text: str) -> Method:
-        kind, _, arg = text.partition(":")
-        if kind == "bp" and not arg:
-            return cls("bp")
-        if kind == "bp+ckpt":
-            return cls("bp+ckpt", strategy=arg or "sqrt")
-        if kind in ("fmad", "zo"):
-            try:
-                k = int(arg or 1)
-            except ValueError:
-                raise ConfigError(f"method {text!r}: budget {arg!r} is not an integer") from None
-            if k <= 0:
-                raise ConfigError(f"method {text!r}: the budget must be positive")
-            return cls(kind, k=k)
-        raise ConfigError(f"unknown method {text!r}; use bp, bp+ckpt[:STRATEGY], fmad:K, zo:K")
-
-    def __str__(self) -> str:
-        if self.kind == "bp+ckpt":
-            return f"bp+ckpt:{self.strategy}"
-        return self.kind if self.kind == "bp" else f"{self.kind}:{self.k}"
-
-
-def estimate(method: Method, model: nn.Module, loss_fn: LossFn, seed: int,
-             eps: float = 1e-3) -> torch.Tensor:
-    """Fill `.grad` of the trainable parameters with `method`'s estimate; return the loss."""
-    if method.kind in ("bp", "bp+ckpt"):
-        return bp_gradient(model, loss_fn)
-    if method.kind == "fmad":
-        return fmad_gradient(model, loss_fn, method.k, seed)
-    return zo_gradient(model, loss_fn, method.k, eps, seed)
-
-
-# --- tasks and models -----------------------------------------------------------------------
-
-
-@dataclass
-class Task:
-    name: str
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    classes: int
-
-
-def digits(image: bool = False, classes: tuple[int, ...] | None = None) -> Task:
-    """scikit-learn's digits (8x8, shipped with the package): flattened, or 1x32x32 images."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    if classes is not None:
-        keep = torch.isin(y, torch.tensor(classes))
-        x, y = x[keep], y[keep]
-    if image:
-        x = F.interpolate(x.view(-1, 1, 8, 8), size=32, mode="bilinear", align_corners=False)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    cut = int(0.8 * len(x))
-    tr, te = perm[:cut], perm[cut:]
-    return Task("digits" + ("-img" if image else ""), x[tr], y[tr], x[te], y[te], 10)
-
-
-def synthetic(n: int = 2000, features: int = 64, classes: int = 10, seed: int = 0) -> Task:
-    """Labels from a random teacher MLP: a task of known difficulty, any size."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, features, generator=g)
-    teacher = torch.randn(features, classes, generator=g)
-    y = torch.argmax(torch.tanh(x) @ teacher, dim=1)
-    cut = int(0.8 * n)
-    return Task("synthetic", x[:cut], y[:cut], x[cut:], y[cut:], classes)
-
-
-def build_model(name: str) -> tuple[nn.Sequential, Task]:
-    """Zoo models sized for the shipped data: MLPs on 64 digit pixels, LeNet-5 on 32x32."""
-    if name in ("mlp3", "mlp5", "mlp7"):
-        return zoo.mlp(int(name[3]), in_features=64, width=128), digits()
-    if name == "lenet5":
-        return zoo.lenet5(), digits(image=True)
-    if name == "synthetic-mlp5":
-        return zoo.mlp(5, in_features=64, width=128), synthetic()
-    if ":" in name:
-        model, _, _ = zoo.resolve(name, input_shape=(64,))
-        return model, digits()
-    raise ConfigError(f"unknown model {name!r} for the gradient comparison; use mlp3, mlp5, "
-                      "mlp7, lenet5, synthetic-mlp5 or module:factory (64 inputs, 10 classes)")
-
-
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update B·A (B starts at zero)."""
-
-    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
-        super().__init__()
-        self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
-        self.a = nn.Parameter(torch.randn(rank, base.in_features) / math.sqrt(base.in_features))
-        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.a), self.b)
-
-
-def for_finetuning(model: nn.Sequential, classes: int, rank: int = 4) -> nn.Sequential:
-    """Freeze everything, add LoRA adapters to hidden linear layers, new trainable head."""
-    model = copy.deepcopy(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    linears = [(parent, name, m) for parent in model.modules()
-               for name, m in parent.named_children() if isinstance(m, nn.Linear)]
-    for parent, name, layer in linears[:-1]:
-        setattr(parent, name, LoRALinear(layer, rank))
-    parent, name, head = linears[-1]
-    setattr(parent, name, nn.Linear(head.in_features, classes))
-    return model
-
-
-# --- training -------------------------------------------------------------------------------
+from rematlab.tasks import Task, build_model, digits, for_finetuning
 
 
 @dataclass
@@ -315,7 +74,7 @@ def _accuracy(model: nn.Module, task: Task) -> float:
 
 def _cosine(model: nn.Module, grads: list[torch.Tensor], loss_fn: LossFn) -> float:
     """Cosine similarity between the estimate in `.grad` and the true gradient."""
-    params = [p for _, p in _trainable(model)]
+    params = [p for _, p in trainable(model)]
     est = torch.cat([g.flatten() for g in grads])
     true = torch.autograd.grad(loss_fn(model), params)
     true = torch.cat([t.flatten() for t in true])
@@ -350,7 +109,7 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
         net = _pretrained(model_name, net, seed)
         net = for_finetuning(net, task.classes)
     model = apply_strategy(net, m.strategy) if m.kind == "bp+ckpt" else net
-    params = [p for _, p in _trainable(model)]
+    params = [p for _, p in trainable(model)]
     opt = make_optimizer("momentum", params, lr=lr)
     run = Run(model_name, str(m), seed, lr, finetune)
     gen = torch.Generator().manual_seed(seed)
