@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from rematlab import zoo
-from rematlab.chain import meta_copy
 from rematlab.exceptions import ConfigError
 from rematlab.steps import make_example
+from rematlab.tracing import meta_copy
 
 
 def _count(model: torch.nn.Module) -> int:

@@ -65,7 +65,8 @@ SAVED_TYPES = frozenset({
 @lru_cache(maxsize=256)
 def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: int,
            dtype: str, optimizer: str, unit: int):
-    from rematlab.chain import find_chain, profile_chain
+    from rematlab.chain import profile_chain
+    from rematlab.tracing import find_chain
 
     with torch.device("meta"):
         net, sample, _ = zoo.resolve(model, scale, shape)

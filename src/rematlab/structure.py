@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rematlab.chain import find_chain
 from rematlab.exceptions import ConfigError
 from rematlab.layers import find_layers
+from rematlab.tracing import find_chain
 
 
 @dataclass(frozen=True)
