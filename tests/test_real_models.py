@@ -109,3 +109,24 @@ def test_segments_of_several_layers_are_refused_for_a_model_that_runs_its_own_lo
     model, batch = realzoo.gpt2()
     with pytest.raises(ConfigError, match="own layer loop"):
         rematlab.apply(model, "uniform:2", example_input=batch)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_copies_and_pickles_of_an_applied_model_run_their_own_weights(name, tmp_path):
+    import copy
+
+    model, batch = realzoo.MODELS[name]()
+    model = model.double().train()
+    batch = _double(batch)
+    remat = rematlab.apply(model, "every:1", example_input=batch)
+    twin = copy.deepcopy(remat)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)  # the copy's weights only
+    want = _grads(twin, batch)
+    assert remat_of(twin).recompute.segments > 0  # the copy recomputed its own layers
+    assert not any(torch.equal(a, b) for a, b in zip(_grads(remat, batch), want, strict=True))
+    torch.save(twin, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    for a, b in zip(_grads(back, batch), want, strict=True):
+        assert (a - b).abs().max().item() <= 1e-12

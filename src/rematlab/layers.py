@@ -219,11 +219,15 @@ class LayerRemat:
                               f"(got {plan.describe()})")
         self.blocks = layers
         self.plan = plan
-        self.checkpointed = frozenset(id(layers[s.start - 1]) for s in plan.segments)
         self.recompute = RecomputeStats()
         self.hooks: list[Callable[[torch.Tensor], None]] = []
         for layer in layers:
             _install(layer)
+
+    def checkpoints(self, layer: nn.Module) -> bool:
+        """Whether the plan checkpoints `layer` (by identity: copies of a model have their
+        own layers, and their own runner)."""
+        return any(self.blocks[s.start - 1] is layer for s in self.plan.segments)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -246,31 +250,49 @@ class LayerRemat:
 
 
 class _LayerForward:
-    """A layer's `forward` that consults the active plan; otherwise the original forward."""
+    """A layer's `forward` that consults the active plan; otherwise its class's forward.
+    It reduces to itself around the layer, so that `copy.deepcopy` and pickling a model
+    rebind it to the copied layer."""
 
-    def __init__(self, layer: nn.Module, forward: Callable) -> None:
-        self.layer = weakref.ref(layer)
-        self.forward = forward
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __reduce__(self) -> tuple:
+        return (_LayerForward, (self.layer,))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        plan = _ACTIVE.get()
-        layer = self.layer()
-        if plan is None or layer is None or not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
-        if id(layer) in plan.checkpointed:
-            return plan.run(layer, self.forward, args, kwargs)
+        plan, layer = _ACTIVE.get(), self.layer
+        forward = type(layer).forward.__get__(layer)
+        if plan is None or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if plan.checkpoints(layer):
+            return plan.run(layer, forward, args, kwargs)
         # a training step under a plan runs without key/value caches, kept layers too, as
         # transformers does under gradient checkpointing: a cache is for generation, and it
         # would hold every kept layer's keys and values until the output dies
         args, kwargs = _without_cache(args, kwargs)
-        return self.forward(*args, **kwargs)
+        return forward(*args, **kwargs)
+
+
+class _PlannedForward:
+    """The forward of a model `attach` returns: the model's class forward with the plan
+    active. Reduces to itself around the model and runner, as `_LayerForward` does."""
+
+    def __init__(self, model: nn.Module, runner: LayerRemat) -> None:
+        self.model = model
+        self.runner = runner
+
+    def __reduce__(self) -> tuple:
+        return (_PlannedForward, (self.model, self.runner))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.runner.active():
+            return type(self.model).forward(self.model, *args, **kwargs)
 
 
 def _install(layer: nn.Module) -> None:
-    if isinstance(layer.__dict__.get("forward"), _LayerForward):
-        return
-    original = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
-    object.__setattr__(layer, "forward", _LayerForward(layer, original))
+    if not isinstance(layer.__dict__.get("forward"), _LayerForward):
+        object.__setattr__(layer, "forward", _LayerForward(layer))
 
 
 def attach(model: nn.Module, runner: Any) -> nn.Module:
@@ -279,14 +301,8 @@ def attach(model: nn.Module, runner: Any) -> nn.Module:
     the model's own forward; a `strategies.RematChain` replaces it. `model` itself is left as
     it was. The runner is `remat_of(copy)`."""
     twin = copy.copy(model)
-    if isinstance(runner, LayerRemat):
-        original = model.__dict__.get("forward") or type(model).forward.__get__(twin)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with runner.active():
-                return original(*args, **kwargs)
-    else:
-        forward = runner.forward
+    forward = _PlannedForward(twin, runner) if isinstance(runner, LayerRemat) \
+        else runner.forward
     object.__setattr__(twin, "forward", forward)
     object.__setattr__(twin, "_rematlab", runner)
     return twin
