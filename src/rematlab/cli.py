@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rematlab.exceptions import ConfigError, RematlabError, format_bytes, parse_bytes
-from rematlab.files import refuse_overwriting_inputs, write_bytes, write_text
+from rematlab.files import jsonable, refuse_overwriting_inputs, write_bytes, write_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure, model and optimize activation rematerialization in PyTorch.")
@@ -54,15 +54,7 @@ def handles_errors(fn: Callable) -> Callable:
 
 
 def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=_jsonable) + "\n")
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
+    sys.stdout.write(json.dumps(data, indent=2, default=jsonable) + "\n")
 
 
 InputDtype = Annotated[str, typer.Option(
@@ -481,7 +473,7 @@ def _write_gradient_outputs(out: Path, data: dict) -> None:
     from rematlab.report import gradient_figures
 
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "gradients.json", json.dumps(data, indent=2, default=_jsonable))
+    write_text(out / "gradients.json", json.dumps(data, indent=2, default=jsonable))
     for name, png in zip(("accuracy_vs_flops", "accuracy_vs_time"), gradient_figures(data),
                          strict=False):
         write_bytes(out / f"{name}.png", base64.b64decode(png))

@@ -59,3 +59,13 @@ def write_text(out: str | Path, text: str) -> Path:
 
 def write_bytes(out: str | Path, data: bytes) -> Path:
     return write_atomic(out, lambda p: p.write_bytes(data))
+
+
+def jsonable(value: object) -> object:
+    """`json.dumps`'s fallback for what rematlab writes: numpy and torch scalars and arrays as
+    numbers and lists, anything else as its text."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)

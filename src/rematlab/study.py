@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rematlab.files import write_text
+from rematlab.files import jsonable, write_text
 from rematlab.grid import Grid, load_grid
 from rematlab.store import Store, load
 
@@ -53,15 +53,7 @@ class _Cache:
 
     def put(self, stage: str, key: str, value: dict) -> None:
         write_text(self.root / f"{stage}.json",
-                   json.dumps({"key": key, "value": value}, default=_jsonable))
-
-
-def _jsonable(value: object) -> object:
-    if hasattr(value, "item"):
-        return value.item()
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
+                   json.dumps({"key": key, "value": value}, default=jsonable))
 
 
 def _fingerprint(db: Path) -> str:
