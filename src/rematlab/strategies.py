@@ -1,9 +1,11 @@
 """Rematerialization strategies: parse them, turn them into plans, and run plans.
 
 Every strategy — `none`, `uniform:N`, `every:K`, `selective[:T]`, `sqrt`, an explicit `Plan`
-or `plan:FILE.json` — compiles to a `Plan` over the model's chain of blocks, and one executor
-runs any plan with non-reentrant `torch.utils.checkpoint`. The same strings work in Python,
-on the CLI and in grid files.
+or `plan:FILE.json` — compiles to a `Plan` over the model's blocks (`rematlab.structure`).
+A chain runs under `RematChain`, which executes any plan, nested segments included; a model
+that runs its own layer loop runs under `layers.LayerRemat`, which takes plans of single
+layers. Both use non-reentrant `torch.utils.checkpoint` with the same recompute contexts. The
+same strings work in Python, on the CLI and in grid files.
 
 .. warning::
    Recomputation runs the forward of a segment a second time. Dropout masks are reproduced
