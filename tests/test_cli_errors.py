@@ -8,6 +8,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+import torch
 
 from rematlab.measure import Spec, failed_row
 from rematlab.store import Store, config_id
@@ -66,7 +67,8 @@ CASES = [
     # plan
     ("plan", ["--model", "mlp3", "--budget", "1e999"], "memory size"),
     ("plan", ["--model", "mlp3", "--budget", "1KiB"], "infeasible"),
-    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--device", "cuda"], "cuda"),
+    pytest.param("plan", ["--model", "mlp3", "--budget", "1GiB", "--device", "cuda"], "cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
     ("plan", ["--model", "mlp3", "--budget", "1GiB", "--compile", "--predict"], "--compile"),
     ("plan", ["--model", "mlp3", "--budget", "1GiB", "--out", "{d}/afile/plan.json"],
      "not a directory"),
@@ -102,7 +104,8 @@ CASES = [
 
 
 @pytest.mark.parametrize(("command", "args", "needle"), CASES,
-                         ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(CASES)])
+                         ids=[f"{c.values[0] if hasattr(c, 'values') else c[0]}-{i}"
+                              for i, c in enumerate(CASES)])
 def test_bad_input_is_one_error_line_and_exit_2(files, command, args, needle):
     args = [a.replace("{d}", str(files)) for a in args]
     proc = subprocess.run([sys.executable, "-m", "rematlab.cli", command, *args],
