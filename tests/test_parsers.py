@@ -8,11 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rematlab.exceptions import ConfigError, parse_bytes
+from rematlab.exceptions import ConfigError
 from rematlab.grid import load_grid
 from rematlab.measure import parse_device
 from rematlab.plans import Plan
 from rematlab.strategies import parse
+from rematlab.units import parse_bytes
 from rematlab.zoo import parse_shape
 
 SETTINGS = settings(max_examples=300, deadline=None,

@@ -14,8 +14,9 @@ from sklearn.exceptions import NotFittedError
 from sklearn.model_selection import KFold, cross_val_predict
 
 from rematlab import predictor as P
-from rematlab.exceptions import ConfigError, parse_bytes
+from rematlab.exceptions import ConfigError
 from rematlab.files import write_atomic
+from rematlab.units import parse_bytes
 
 
 def _frame(n: int = 40) -> pd.DataFrame:

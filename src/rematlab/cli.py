@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -19,8 +18,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rematlab.exceptions import ConfigError, RematlabError, format_bytes, parse_bytes
+from rematlab.exceptions import ConfigError, RematlabError, format_bytes
 from rematlab.files import jsonable, refuse_overwriting_inputs, write_bytes, write_text
+from rematlab.units import format_number, parse_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure, model and optimize activation rematerialization in PyTorch.")
@@ -218,7 +218,8 @@ def sweep_cmd(
 ) -> None:
     """Run a grid of configurations into the dataset (resumable)."""
     from rematlab.grid import load_grid
-    from rematlab.sweep import estimate_seconds, resume_hint
+    from rematlab.hardware import estimate_seconds
+    from rematlab.sweep import resume_hint
 
     spec_grid = load_grid(grid)
     if dry_run:
@@ -343,16 +344,10 @@ def stats_cmd(
         for col in frame.columns:
             table.add_column(str(col))
         for _, row in frame.iterrows():
-            table.add_row(*[_cell(v) for v in row])
+            table.add_row(*[format_number(v) for v in row])
         console.print(table)
     for note in report.notes:
         console.print(f"note: {note}")
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.3g}"
-    return str(value)
 
 
 
@@ -460,7 +455,8 @@ def gradients(
     for col in cols:
         view.add_column(col, justify="right")
     for row in data["table"]:
-        view.add_row(*[_cell(row[c]) if row[c] is not None else "not reached" for c in cols])
+        view.add_row(*[format_number(row[c]) if row[c] is not None else "not reached"
+                       for c in cols])
     console.print(view)
     for model, fams in data["verdict"].items():
         for fam, entry in fams.items():

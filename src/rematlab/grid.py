@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from rematlab import strategies, zoo
-from rematlab.exceptions import ConfigError, parse_bytes
+from rematlab.exceptions import ConfigError
 from rematlab.measure import (
     DTYPES,
     INT32_MAX,
@@ -35,6 +35,7 @@ from rematlab.measure import (
     parse_device,
 )
 from rematlab.steps import OPTIMIZERS
+from rematlab.units import parse_bytes
 
 BUILTIN = Path(__file__).parent / "grids"
 

@@ -1,8 +1,14 @@
 """What rematlab assumes about devices it has not measured: peak dense throughput (FLOP/s)
 and memory bandwidth (B/s), by device-name part. One table, used by the predictor's roofline
-features and the sweep's duration estimate."""
+features and the sweep's duration estimate (`estimate_seconds`)."""
 
 from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rematlab import zoo
+from rematlab.measure import Spec
 
 DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
                 "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
@@ -22,3 +28,25 @@ def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, f
     if name.startswith("cuda"):
         return GPU_DEFAULT
     return CPU_FLOPS_PER_THREAD * (threads or 1), CPU_BANDWIDTH
+
+
+def estimate_seconds(specs: list[Spec]) -> float:
+    """A rough duration: FLOPs of a step from a meta-device trace at an assumed throughput
+    (`hardware.device_peaks`), times the steps a measurement runs,
+    plus a second of process start-up per configuration."""
+    cache: dict[tuple, float] = {}
+    total = 0.0
+    for s in specs:
+        key = (s.model, s.input, s.input_shape, s.batch)
+        if key not in cache:
+            with torch.device("meta"):
+                model, shape, _ = zoo.resolve(s.model, s.input, s.input_shape)
+                x = torch.empty(s.batch, *shape)
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    model(x).sum().backward()
+            cache[key] = float(counter.get_total_flops())
+        rate = device_peaks(s.device, s.threads or 2)[0]
+        steps = s.warmup + 2 * s.repeats + 1
+        total += cache[key] * 1.3 * steps / rate + 1.0
+    return total

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rematlab.chain import compiled, compiling, preserved, profile_chain
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError, parse_bytes
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
 from rematlab.plans import (
     ChainCosts,
@@ -40,6 +40,7 @@ from rematlab.solver import Solution, solve
 from rematlab.steps import LossFn, call, check_batch, detached, step, tensors, to_device
 from rematlab.strategies import RematChain, apply
 from rematlab.structure import Structure, structure
+from rematlab.units import parse_bytes
 
 _MAX_CORRECTIONS = 6
 

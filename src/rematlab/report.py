@@ -23,6 +23,7 @@ import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from rematlab.files import write_bytes, write_text
+from rematlab.units import format_number
 
 STUDY_R2 = {"time": 0.8594, "memory": 0.8330}  # the original study, random 80/20 split
 
@@ -166,16 +167,8 @@ def _table(records: list[dict] | pd.DataFrame, columns: list[str] | None = None)
     df = pd.DataFrame(records)
     if columns:
         df = df[[c for c in columns if c in df.columns]]
-    rows = [[_fmt(v) for v in r] for r in df.itertuples(index=False)]
+    rows = [[format_number(v, 4) for v in r] for r in df.itertuples(index=False)]
     return {"columns": list(df.columns), "rows": rows}
-
-
-def _fmt(v: object) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 def _environment(res: StudyResults) -> dict:
@@ -185,7 +178,7 @@ def _environment(res: StudyResults) -> dict:
     first = runs.iloc[0]
     keys = ["device_name", "vendor", "cuda_version", "rocm_version", "torch_version",
             "cpu_model", "threads", "host", "rematlab_version"]
-    env = {k: _fmt(first.get(k)) for k in keys if k in runs.columns}
+    env = {k: format_number(first.get(k), 4) for k in keys if k in runs.columns}
     env["measured from"] = str(runs["timestamp"].min()) if "timestamp" in runs else ""
     env["measured until"] = str(runs["timestamp"].max()) if "timestamp" in runs else ""
     return env

@@ -33,6 +33,7 @@ from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
 from rematlab.exceptions import ConfigError
+from rematlab.units import format_number
 
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
@@ -89,16 +90,8 @@ def _markdown(df: pd.DataFrame) -> str:
     cols = list(df.columns)
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df.iterrows():
-        rows.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+        rows.append("| " + " | ".join(format_number(r[c]) for c in cols) + " |")
     return "\n".join(rows)
-
-
-def _fmt(v: object) -> str:
-    if isinstance(v, float):
-        if math.isnan(v):
-            return ""
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
-    return str(v)
 
 
 def hodges_lehmann(x: np.ndarray) -> float:

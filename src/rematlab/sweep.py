@@ -28,7 +28,6 @@ import pandas as pd
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
-from rematlab.hardware import device_peaks
 from rematlab.measure import Spec, available, failed_row, parse_device, run_config
 from rematlab.store import Store, config_id
 
@@ -195,30 +194,3 @@ def sweep(
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def estimate_seconds(specs: list[Spec]) -> float:
-    """A rough duration: FLOPs of a step from a meta-device trace at an assumed throughput
-    (`hardware.device_peaks`), times the steps a measurement runs,
-    plus a second of process start-up per configuration."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from rematlab import zoo
-
-    cache: dict[tuple, float] = {}
-    total = 0.0
-    for s in specs:
-        key = (s.model, s.input, s.input_shape, s.batch)
-        if key not in cache:
-            with torch.device("meta"):
-                model, shape, _ = zoo.resolve(s.model, s.input, s.input_shape)
-                x = torch.empty(s.batch, *shape)
-                counter = FlopCounterMode(display=False)
-                with counter:
-                    model(x).sum().backward()
-            cache[key] = float(counter.get_total_flops())
-        rate = device_peaks(s.device, s.threads or 2)[0]
-        steps = s.warmup + 2 * s.repeats + 1
-        total += cache[key] * 1.3 * steps / rate + 1.0
-    return total
