@@ -47,10 +47,20 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans import ChainCosts, Plan, none_plan
 from rematlab.probes import LiveTensorTracker, clock_for
 from rematlab.recompute import RecomputeStats, recompute_contexts
-from rematlab.steps import Batch, LossFn, batch_bytes, call, default_loss, detached, tensors
+from rematlab.steps import (
+    Batch,
+    LossFn,
+    batch_bytes,
+    call,
+    default_loss,
+    detached,
+    tensors,
+    to_device,
+)
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+_HOST = torch.device("cpu")
 
 
 # --- finding the layers ----------------------------------------------------------------------
@@ -145,7 +155,9 @@ def capture(model: nn.Module, batch: Batch, layers: list[nn.Module]) -> list[Lay
 
     def hook(i: int) -> Callable:
         def pre(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            args, kwargs = _without_cache(detached(args), detached(kwargs))
+            # kept on the host: every layer's input at once would crowd a GPU being planned
+            args, kwargs = _without_cache(to_device(detached(args), _HOST),
+                                          to_device(detached(kwargs), _HOST))
             calls.append((i, LayerCall(args, kwargs, _hidden_position(args, kwargs, i))))
         return pre
 
@@ -326,7 +338,10 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
     measured on the batch's device."""
     calls = capture(model, batch, layers)
     rows = []
-    for layer, lc in zip(layers, calls, strict=True):
+    device = next(tensors(batch)).device
+    for layer, host_call in zip(layers, calls, strict=True):
+        lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
+                       host_call.where)
         x_in = block_input(lc.hidden(), needs_grad=True)
 
         def run(x: torch.Tensor, layer: nn.Module = layer, lc: LayerCall = lc) -> torch.Tensor:
