@@ -55,7 +55,7 @@ CASES = [
     ("measure", ["--model", "mlp3", "--strategy", "plan:{d}/notjson.json"], "not a rematlab plan"),
     ("measure", ["--model", "mlp3", "--strategy", "plan:{d}/plan.json"], "plan"),
     ("measure", ["--model", "mlp3", "--input-shape", "3,,32"], "input shape"),
-    ("measure", ["--model", "mlp3", "--input-shape", "3,32,32"], "fails on its batch"),
+    ("measure", ["--model", "mlp3", "--input-shape", "3,32,32"], "fails on the batch"),
     ("measure", ["--model", "mlp3", "--input-shape", "999999,999999,999999"], "batch"),
     ("measure", ["--model", "mlp3", "--device", "cuda:99"], "cuda"),
     ("measure", ["--model", "mlp3", "--device", "tpu"], "device"),

@@ -31,7 +31,7 @@ from rematlab.probes import (
     rounded,
     storage_key,
 )
-from rematlab.steps import make_optimizer
+from rematlab.steps import make_optimizer, preserved
 from rematlab.tracing import meta_copy
 
 
@@ -96,28 +96,6 @@ def block_input(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
     if not (needs_grad and x.is_floating_point()):
         return x.detach()
     return x.detach().requires_grad_().clone()
-
-
-@contextlib.contextmanager
-def preserved(module: nn.Module) -> Iterator[None]:
-    """Run a throw-away step: gradients, buffers and the RNG are as before afterwards."""
-    grads = [p.grad for p in module.parameters()]
-    buffers = [b.detach().clone() for b in module.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    for p in module.parameters():
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in zip(module.parameters(), grads, strict=True):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in zip(module.buffers(), buffers, strict=True):
-                b.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _saved_recorder(block: nn.Module, unit: int, exclude: frozenset = frozenset()

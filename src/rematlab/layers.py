@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.chain import block_input, optimizer_memory, preserved, profile_block
+from rematlab.chain import block_input, optimizer_memory, profile_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans import ChainCosts, Plan, none_plan
 from rematlab.probes import LiveTensorTracker, clock_for
@@ -54,6 +54,7 @@ from rematlab.steps import (
     call,
     default_loss,
     detached,
+    preserved,
     tensors,
     to_device,
 )

@@ -34,7 +34,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
-from rematlab.chain import preserved
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.layers import remat_of
 from rematlab.probes import Clock, MemoryProbe, StepMemory, clock_for, storage_key
@@ -44,8 +43,10 @@ from rematlab.steps import (
     call,
     cast,
     default_loss,
+    is_oom,
     make_example,
     make_optimizer,
+    runs_on,
     tensors,
 )
 from rematlab.version import __version__
@@ -418,29 +419,6 @@ class _Tracked:
         return probe()
 
 
-def _runs_on(s: _Setup) -> None:
-    """One no-grad forward (state restored): a model that cannot take the configuration's
-    batch (wrong shape, dtype, vocabulary) is bad input, not a failed measurement."""
-    try:
-        with torch.no_grad(), preserved(s.model):
-            call(s.run, s.batch)
-    except Exception as exc:
-        if _is_oom(exc):
-            raise
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"{s.spec.model} fails on its batch: {type(exc).__name__}: "
-                          f"{message}"[:300]) from exc
-
-
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, (SimulatedOOM, MemoryError)):
-        return True
-    if torch.cuda.is_available() and isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return "out of memory" in text.lower() or "can't allocate memory" in text
-
-
 def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None = None
             ) -> Observation:
     """Measure `spec` (see module docstring). Never raises for OOM or runtime failures:
@@ -466,7 +444,7 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
     setup = None
     try:
         setup = _Setup(spec, device, clock)
-        _runs_on(setup)
+        runs_on(setup.model, setup.run, setup.batch, spec.model)
         _Tracked(setup, memory(device, spec.max_memory), spec.max_memory,
                  count=False).run(clock)  # warm-up 1, capped
         counted = _Tracked(setup, memory(device, None), None, count=True)
@@ -492,7 +470,7 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
     except ConfigError:
         raise
     except Exception as exc:  # an outcome to record, not a crash
-        obs.outcome = "oom" if _is_oom(exc) else "error"
+        obs.outcome = "oom" if is_oom(exc) else "error"
         obs.error = f"{type(exc).__name__}: {exc}"[:500]
         obs.times, obs.peaks, obs.reserved = {}, [], []
     finally:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.chain import compiled, compiling, preserved, profile_chain
+from rematlab.chain import compiled, compiling, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
 from rematlab.plans import (
@@ -37,7 +37,17 @@ from rematlab.plans import (
 )
 from rematlab.probes import StepMemory
 from rematlab.solver import Solution, solve
-from rematlab.steps import LossFn, call, check_batch, detached, step, tensors, to_device
+from rematlab.steps import (
+    LossFn,
+    call,
+    check_batch,
+    detached,
+    preserved,
+    runs_on,
+    step,
+    tensors,
+    to_device,
+)
 from rematlab.strategies import RematChain, apply
 from rematlab.structure import Structure, structure
 from rematlab.units import parse_bytes
@@ -115,7 +125,7 @@ def prepare(
         raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
     batch = to_device(example_inputs, dev)
     if not predict:
-        _runs_on(model, batch)
+        runs_on(model, model, batch, type(model).__name__)
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":
         if predict or compile:
@@ -132,19 +142,6 @@ def prepare(
                               optimizer=optimizer, repeats=repeats, compile=compile)
         solution = solve(costs)
     return Planning(model, st, batch, costs, solution, verify and not predict, compile, loss_fn)
-
-
-def _runs_on(model: nn.Module, batch: Any) -> None:
-    """One no-grad forward on the example (state restored): a model that cannot run the
-    user's batch (wrong shape, dtype, device) is bad input, said in one line, before any
-    profiling."""
-    try:
-        with torch.no_grad(), preserved(model):
-            call(model, batch)
-    except Exception as exc:
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"{type(model).__name__} fails on the example batch: "
-                          f"{type(exc).__name__}: {message}") from exc
 
 
 def plan(

@@ -17,6 +17,7 @@ optimizer's state and step included.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from rematlab.exceptions import ConfigError
+from rematlab.exceptions import ConfigError, SimulatedOOM
 
 Batch = Any  # torch.Tensor | tuple | list | dict[str, torch.Tensor]
 LossFn = Callable[[Any, Batch], torch.Tensor]
@@ -229,3 +231,50 @@ def cast(batch: Batch, dtype: torch.dtype) -> Batch:
     if isinstance(batch, (tuple, list)):
         return type(batch)(cast(v, dtype) for v in batch)
     return batch
+
+
+@contextlib.contextmanager
+def preserved(module: nn.Module) -> Iterator[None]:
+    """Run a throw-away step: gradients, buffers and the RNG are as before afterwards."""
+    grads = [p.grad for p in module.parameters()]
+    buffers = [b.detach().clone() for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    for p in module.parameters():
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception means the device ran out of memory (a result, not a failure)."""
+    if isinstance(exc, (SimulatedOOM, MemoryError)):
+        return True
+    if torch.cuda.is_available() and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def runs_on(model: nn.Module, run: Callable, batch: Batch, name: str) -> None:
+    """One no-grad forward of `run` on `batch`, `model`'s state restored: a model that cannot
+    take the batch (wrong shape, dtype, vocabulary, device) is bad input, said in one line,
+    before anything is profiled or measured. Running out of memory is passed on as it is."""
+    try:
+        with torch.no_grad(), preserved(model):
+            call(run, batch)
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"{name} fails on the batch: {type(exc).__name__}: "
+                          f"{message}"[:300]) from exc
