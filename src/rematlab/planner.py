@@ -225,8 +225,7 @@ def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
     with compiling():
         if chosen.compiled:  # compile forward and backward outside the measurement
             with preserved(remat):
-                del_out = step(run, x, loss_fn)
-                del del_out
+                step(run, x, loss_fn)
         return step_peak(remat, run, x, costs, loss_fn, tensors_seen=not chosen.compiled)
 
 
@@ -249,8 +248,7 @@ def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
         memory = StepMemory(device, tensors_seen=tensors_seen)
         memory.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
         with memory, memory.phase("step"):
-            out = step(run, batch, loss_fn)
-            del out
+            step(run, batch, loss_fn)
     del state
     return max(memory.peak, costs.optimizer_peak)
 
