@@ -89,12 +89,6 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return batch
 
 
-def batch_size(batch: Batch) -> int:
-    """The leading dimension of the batch's first tensor."""
-    first = next(tensors(batch))
-    return int(first.shape[0]) if first.dim() else 1
-
-
 def batch_bytes(batch: Batch) -> int:
     seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors(batch)}
     return sum(seen.values())
