@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rematlab.budget import checked, is_auto
 from rematlab.exceptions import ConfigError, RematlabError, format_bytes
 from rematlab.files import jsonable, refuse_overwriting_inputs, write_bytes, write_text
 from rematlab.units import format_number, parse_bytes
@@ -139,7 +140,8 @@ def measure(
 @handles_errors
 def plan_cmd(
     model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
-    budget: Annotated[str, typer.Option(help="peak memory budget of the step, e.g. 6GiB")],
+    budget: Annotated[str, typer.Option(
+        help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")],
     batch: int = 32,
     input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
     input_shape: Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")] = None,
@@ -163,18 +165,21 @@ def plan_cmd(
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
-    limit = parse_bytes(budget)
+    budget = checked(budget)
     dev = available(parse_device(device))
     net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
     x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
                      device=dev)
     planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
                        else optimizer, blocks=_blocks(blocks), predict=predict, compile=compile)
+    derived = planning.budget(budget)
+    limit = derived.nbytes
     chosen = planning.choose(limit)
     rows = planning.baselines(limit)
     none_time = rows[0]["time"]
     summary = {"plan": chosen.describe(), "structure": planning.structure.describe(),
-               "budget": limit, "predicted_peak": chosen.predicted_peak,
+               "budget": limit, "budget_source": derived.how,
+               "predicted_peak": chosen.predicted_peak,
                "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
                "predicted_overhead": chosen.predicted_time / none_time - 1.0,
                "baselines": rows, "plan_json": json.loads(chosen.to_json())}
@@ -184,6 +189,8 @@ def plan_cmd(
         _print_json(summary)
         return
     console.print(f"{type(net).__name__}: {planning.structure.describe()}")
+    if is_auto(budget):
+        console.print(f"budget {format_bytes(limit)}: {derived.how}")
     console.print(f"plan: {chosen.describe()}")
     console.print(f"predicted peak {format_bytes(chosen.predicted_peak or 0)}"
                   + (f", measured {format_bytes(chosen.measured_peak)}"

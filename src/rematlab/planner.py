@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rematlab.budget import DeviceBudget, checked, resolve
 from rematlab.chain import compiled, compiling, profile_chain
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
@@ -50,7 +51,6 @@ from rematlab.steps import (
 )
 from rematlab.strategies import RematChain, apply
 from rematlab.structure import Structure, structure
-from rematlab.units import parse_bytes
 
 _MAX_CORRECTIONS = 6
 
@@ -83,8 +83,18 @@ class Planning:
         """The simulated step peak with every activation kept."""
         return simulate(none_plan(self.costs.n), self.costs)[0]
 
+    def budget(self, budget: str | int) -> DeviceBudget:
+        """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device
+        has (`rematlab.budget`; the model's parameters, buffers and the batch count as
+        resident)."""
+        device = next(tensors(self.batch)).device
+        resident = sum(t.untyped_storage().nbytes() for t in
+                       [*self.model.parameters(), *self.model.buffers(), *tensors(self.batch)])
+        return resolve(budget, device, resident)
+
     def choose(self, budget: str | int) -> Plan:
-        limit = parse_bytes(budget)
+        """The fastest plan within `budget` (a size or 'auto'), measured unless predicting."""
+        limit = self.budget(budget).nbytes
         name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
         chosen = replace(_first_pick(self.solution, limit, self.verify), compiled=self.compile,
                          name=name)
@@ -150,7 +160,8 @@ def plan(
     budget: str | int,
     **kwargs: Any,
 ) -> Plan:
-    """The fastest plan whose whole-step peak fits `budget` (bytes or '6GiB').
+    """The fastest plan whose whole-step peak fits `budget` (bytes, '6GiB', or 'auto': what
+    this device has, `rematlab.budget`).
 
     The step is the user's (`rematlab.steps`): `example_inputs` is a batch (tensor, tuple or
     dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
@@ -162,8 +173,8 @@ def plan(
     Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
     feasible budget.
     """
-    limit = parse_bytes(budget)  # bad budgets fail before any profiling
-    return prepare(model, example_inputs, **kwargs).choose(limit)
+    budget = checked(budget)  # a bad budget fails before any profiling
+    return prepare(model, example_inputs, **kwargs).choose(budget)
 
 
 def _first_pick(solution: Solution, limit: int, verify: bool) -> Plan:
@@ -289,7 +300,7 @@ class AutoRemat(nn.Module):
                  loss_fn: LossFn | None = None, predict: bool = False) -> None:
         super().__init__()
         self.model = model
-        self.budget = parse_bytes(budget)
+        self.budget = checked(budget)  # 'auto' is derived again for every new shape
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.predict = predict

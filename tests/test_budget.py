@@ -1,0 +1,76 @@
+"""budget="auto" (issue 17, part 1): derived from the documented sources, and accepted by the
+planner, the auto-planner and the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rematlab
+from rematlab import budget as B
+from rematlab import zoo
+from rematlab.exceptions import ConfigError
+
+CPU = torch.device("cpu")
+GIB, MIB = 2**30, 2**20
+
+
+def _meminfo(tmp_path, available_kib: int, total_kib: int = 64 * 2**20):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       {total_kib} kB\nMemFree:        1 kB\n"
+                    f"MemAvailable:   {available_kib} kB\n")
+    return path
+
+
+def test_a_cgroup_v2_limit_bounds_the_cpu_budget(tmp_path):
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "memory.max").write_text(f"{8 * GIB}\n")
+    (root / "memory.current").write_text(f"{3 * GIB}\n")
+    got = B.device_budget(CPU, resident=100 * MIB, cgroup=root,
+                          meminfo=_meminfo(tmp_path, 20 * 2**20))  # 20 GiB available
+    margin = max(int(0.05 * 8 * GIB), 256 * MIB)
+    assert got.nbytes == 100 * MIB + 5 * GIB - margin
+    assert "container limit" in got.how and "memory.max" in got.how
+
+
+def test_a_cgroup_v1_limit_and_no_limit(tmp_path):
+    root = tmp_path / "cg"
+    (root / "memory").mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text(f"{4 * GIB}\n")
+    (root / "memory" / "memory.usage_in_bytes").write_text(f"{1 * GIB}\n")
+    meminfo = _meminfo(tmp_path, 2 * 2**20, 16 * 2**20)  # 2 GiB available: the tighter
+    got = B.device_budget(CPU, cgroup=root, meminfo=meminfo)
+    assert got.nbytes == 2 * GIB - 256 * MIB
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    unlimited = B.device_budget(CPU, cgroup=root, meminfo=meminfo)
+    assert unlimited.nbytes == 2 * GIB - int(0.05 * 16 * GIB)  # 5 % of MemTotal
+    assert "no container limit" in unlimited.how
+
+
+def test_no_memory_left_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no memory is left"):
+        B.device_budget(CPU, cgroup=tmp_path, meminfo=_meminfo(tmp_path, 1024))
+
+
+def test_plan_and_auto_accept_budget_auto():
+    model = zoo.mlp(5, width=64)
+    x = torch.randn(64, 1, 28, 28)
+    chosen = rematlab.plan(model, x, "auto")
+    derived = B.device_budget(CPU)  # this machine: the plan is the unconstrained one
+    assert chosen.budget is not None and abs(chosen.budget - derived.nbytes) < 512 * MIB
+    assert not chosen.segments
+    wrapped = rematlab.auto(model, "auto", optimizer=None)
+    torch.nn.functional.cross_entropy(wrapped(x), torch.randint(0, 10, (64,))).backward()
+    assert len(wrapped.plans) == 1
+
+
+def test_the_cli_says_how_an_auto_budget_was_derived():
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "plan", "--model", "mlp3",
+                           "--batch", "16", "--budget", "auto", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["budget_source"].startswith("auto on cpu") and data["budget"] > 0
