@@ -68,10 +68,6 @@ Blocks = Annotated[str | None, typer.Option(
     help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
 
 
-def _blocks(text: str | None) -> list[str] | None:
-    return [b.strip() for b in text.split(",") if b.strip()] if text else None
-
-
 def _shape(text: str | None) -> tuple[int, ...] | None:
     from rematlab.zoo import parse_shape
 
@@ -171,7 +167,7 @@ def plan_cmd(
     x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
                      device=dev)
     planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
-                       else optimizer, blocks=_blocks(blocks), predict=predict, compile=compile)
+                       else optimizer, blocks=blocks or None, predict=predict, compile=compile)
     derived = planning.budget(budget)
     limit = derived.nbytes
     chosen = planning.choose(limit)

@@ -79,9 +79,9 @@ def find_layers(model: nn.Module, names: str | list[str] | None = None
     modules = dict(model.named_modules())
     if names:
         found: list[tuple[str, nn.Module]] = []
-        for name in names.split(",") if isinstance(names, str) else names:
-            name = name.strip()
-            if name not in modules or not name:
+        listed = [n.strip() for n in names.split(",")] if isinstance(names, str) else names
+        for name in [n for n in listed if n]:
+            if name not in modules:
                 stacks = ", ".join(_stack_names(model)[:5]) or "none found"
                 raise ConfigError(f"{type(model).__name__} has no submodule {name!r}; layer "
                                   f"stacks in it: {stacks}")
@@ -444,8 +444,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
                 loss = (loss_fn or default_loss)(out, batch)
                 mark("forward_end")
                 alive = seen["y_ref"]() is not None
-                kept = {id(t.untyped_storage()): t.untyped_storage().nbytes()
-                        for t in tensors(out)} if out is not None else {}
+                output = batch_bytes(out)  # the user's loop keeps the output until the end
                 loss.backward()
                 mark("end")
             del out, loss
@@ -465,7 +464,6 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
     nbytes = {id(p): p.numel() * p.element_size() for p in outside}
     after_grad = sum(nbytes.get(i, 0) for i in seen.get("after_grad", []))
     y = seen["y_last"]
-    output = sum(kept.values())  # the user's loop keeps the output until the step ends
     return {
         "layer_live": layer_live,
         "output": output,

@@ -28,8 +28,8 @@ from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
 from rematlab.plans import (
     ChainCosts,
     Plan,
+    every_layer_plan,
     none_plan,
-    per_layer_plan,
     selective_per_layer,
     selective_plan,
     simulate,
@@ -274,7 +274,7 @@ def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = Fals
     rows = []
     none_peak, none_time = simulate(none_plan(n), costs)
     if per_layer:
-        fixed = [none_plan(n), per_layer_plan(n, range(1, n - 1), "every:1"),
+        fixed = [none_plan(n), every_layer_plan(n),
                  selective_per_layer(costs)]
     else:
         uniform = [uniform_plan(n, k) for k in range(2, n + 1)]

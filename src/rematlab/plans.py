@@ -230,6 +230,12 @@ def per_layer_plan(n: int, checkpointed, name: str) -> Plan:
                 name=name)
 
 
+def every_layer_plan(n: int) -> Plan:
+    """Every layer of a per-layer chain checkpointed (blocks 1..n-2; 0 and n-1 are what runs
+    before and after the layers): transformers' gradient checkpointing, as `every:1`."""
+    return per_layer_plan(n, range(1, n - 1), "every:1")
+
+
 def every_plan(n: int, size: int) -> Plan:
     """Segments of `size` consecutive blocks (the last may be shorter)."""
     bounds = [*range(0, n, size), n]

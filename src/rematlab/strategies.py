@@ -213,7 +213,7 @@ def layer_plan(strat: Strategy | Plan, st: Structure, model: nn.Module, example:
     if strat.kind == "none":
         return plans.none_plan(n)
     if strat.kind == "every" and strat.arg == 1:
-        return plans.per_layer_plan(n, range(1, n - 1), "every:1")
+        return plans.every_layer_plan(n)
     if strat.kind == "selective":
         if example is None:
             raise ConfigError("strategy 'selective' needs an example batch to profile layers")
