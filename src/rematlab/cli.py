@@ -209,6 +209,67 @@ def plan_cmd(
         console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
 
 
+@app.command("max-batch")
+@handles_errors
+def max_batch_cmd(
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    budget: Annotated[str, typer.Option(
+        help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")],
+    batch: Annotated[int, typer.Option(help="the batch size the search starts from")] = 8,
+    input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")] = None,
+    input_dtype: InputDtype = "float32",
+    vocab: Vocab = None,
+    example: Example = None,
+    blocks: Blocks = None,
+    device: str = "cpu",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
+    limit: Annotated[int, typer.Option(help="largest batch size tried")] = 65536,
+    repeats: Annotated[int, typer.Option(help="timed steps per result (0: no timing)")] = 5,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The largest batch that fits the budget without remat and with the optimal plan, and
+    the throughput (samples/s) of each: does remat pay off for this model?"""
+    from rematlab import zoo
+    from rematlab.maxbatch import max_batch
+    from rematlab.measure import available, parse_device
+    from rematlab.steps import make_example
+
+    budget = checked(budget)
+    if batch < 2:
+        raise ConfigError(f"--batch must be at least 2 (the search profiles it and twice it), "
+                          f"got {batch}")
+    dev = available(parse_device(device))
+    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
+    make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example)
+
+    def factory(size: int) -> Any:
+        return make_example(size, shape, input_dtype=input_dtype, vocab=vocab,
+                            example=example, device=dev)
+
+    found = max_batch(net.to(dev).train(), factory, budget, start=batch, limit=limit,
+                      optimizer=None if optimizer == "none" else optimizer,
+                      blocks=blocks or None, repeats=repeats)
+    if as_json:
+        _print_json(found.to_dict())
+        return
+    console.print(f"budget {format_bytes(found.budget.nbytes)}: {found.budget.how}")
+    table = Table(title=f"{model}: the largest batch within the budget")
+    for col in ("remat", "batch", "measured peak", "batch+1 peak", "step", "samples/s",
+                "plan"):
+        table.add_column(col, justify="right")
+    for f in found.fits:
+        step = (f"{f.step_s * 1e3:.1f} ms ± {(f.step_iqr or 0) * 1e3:.1f}" if f.step_s
+                else "")
+        table.add_row(f.case, f"{f.batch}{'+' if f.at_limit else ''}",
+                      format_bytes(f.peak) if f.peak else "",
+                      format_bytes(f.over) if f.over else "", step,
+                      f"{f.throughput:.1f}" if f.throughput else "", f.plan or "")
+    console.print(table)
+    console.print(found.verdict())
+    console.print(f"search {found.search_s:.1f} s, timing {found.timing_s:.1f} s")
+
+
 @app.command("sweep")
 @handles_errors
 def sweep_cmd(

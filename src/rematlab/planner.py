@@ -14,6 +14,8 @@ partitioner make a different trade-off than eager execution (see docs/design.md)
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.budget import DeviceBudget, checked, resolve
+from rematlab.budget import DeviceBudget, checked, is_auto, resolve
 from rematlab.chain import compiled, compiling, profile_chain
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError, format_bytes
 from rematlab.layers import LayerRemat, attach, profile_layers, single_layer
 from rematlab.plans import (
     ChainCosts,
@@ -53,6 +55,7 @@ from rematlab.strategies import RematChain, apply
 from rematlab.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6
+_log = logging.getLogger("rematlab")
 
 
 @dataclass
@@ -84,13 +87,8 @@ class Planning:
         return simulate(none_plan(self.costs.n), self.costs)[0]
 
     def budget(self, budget: str | int) -> DeviceBudget:
-        """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device
-        has (`rematlab.budget`; the model's parameters, buffers and the batch count as
-        resident)."""
-        device = next(tensors(self.batch)).device
-        resident = sum(t.untyped_storage().nbytes() for t in
-                       [*self.model.parameters(), *self.model.buffers(), *tensors(self.batch)])
-        return resolve(budget, device, resident)
+        """`budget` in bytes, with how it was derived (`derive`)."""
+        return derive(budget, self.model, self.batch)
 
     def choose(self, budget: str | int) -> Plan:
         """The fastest plan within `budget` (a size or 'auto'), measured unless predicting."""
@@ -113,6 +111,16 @@ class Planning:
     def baselines(self, budget: int | None = None) -> list[dict]:
         """Simulated peak and time of the fixed strategies this model can run."""
         return compare(self.costs, budget, per_layer=self.structure.kind == "layers")
+
+
+def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
+           ) -> DeviceBudget:
+    """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device has
+    (`rematlab.budget`), where the model's parameters, buffers, the batch and `state` bytes
+    of optimizer state that already exist count as resident."""
+    resident = state + sum(t.untyped_storage().nbytes() for t in
+                           [*model.parameters(), *model.buffers(), *tensors(batch)])
+    return resolve(budget, next(tensors(batch)).device, resident)
 
 
 def prepare(
@@ -237,31 +245,33 @@ def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
         if chosen.compiled:  # compile forward and backward outside the measurement
             with preserved(remat):
                 step(run, x, loss_fn)
-        return step_peak(remat, run, x, costs, loss_fn, tensors_seen=not chosen.compiled)
+        return step_peak(remat, run, x, costs.state, costs.optimizer_peak, loss_fn,
+                         tensors_seen=not chosen.compiled)
 
 
 def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
                         batch: object, costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
     """Measured peak of the user's step with `chosen` installed on the model's layers."""
     twin = attach(model, LayerRemat(layers, chosen))
-    return step_peak(model, twin, batch, costs, loss_fn)
+    return step_peak(model, twin, batch, costs.state, costs.optimizer_peak, loss_fn)
 
 
-def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
-              loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
+def step_peak(owner: nn.Module, run: Callable, batch: object, state_bytes: int,
+              optimizer_peak: int, loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
     """Peak bytes of one step (`steps.step`) of `run` on `batch` by `probes.StepMemory`, with
-    `owner`'s parameters, buffers, the batch and the optimizer state's bytes alive (tensors
-    counted only where the tracker sees them: eager code); at least the optimizer step's
-    peak. `owner`'s gradients, buffers and the RNG are restored."""
+    `owner`'s parameters, buffers, the batch and `state_bytes` of optimizer state alive
+    (tensors counted only where the tracker sees them: eager code); at least the optimizer
+    step's peak (`ChainCosts.optimizer_peak`). `owner`'s gradients, buffers and the RNG are
+    restored."""
     device = next(tensors(batch)).device
-    state = torch.empty(costs.state, dtype=torch.uint8, device=device)
+    state = torch.empty(state_bytes, dtype=torch.uint8, device=device)
     with preserved(owner):
         memory = StepMemory(device, tensors_seen=tensors_seen)
         memory.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
         with memory, memory.phase("step"):
             step(run, batch, loss_fn)
     del state
-    return max(memory.peak, costs.optimizer_peak)
+    return max(memory.peak, optimizer_peak)
 
 
 def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = False
@@ -290,22 +300,48 @@ def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = Fals
     return rows
 
 
+@dataclass(frozen=True)
+class Replan:
+    """One plan `AutoRemat` made: for which input shapes, why, within which budget."""
+
+    shapes: tuple
+    reason: str
+    budget: int
+    plan: str
+    peak: int
+
+
 class AutoRemat(nn.Module):
     """Plans on the first training batch and re-plans, cached per input shape, when the
     shapes change. Evaluation and no-grad calls run the model plainly. Takes the model's own
-    arguments (a tensor, several, or keywords as a Hugging Face model does)."""
+    arguments (a tensor, several, or keywords as a Hugging Face model does).
+
+    With `budget="auto"` the budget is derived from the device for every new shape, and
+    derived again at most every `recheck_s` seconds of training calls: a cached plan whose
+    peak no longer fits (another process took memory) is re-planned, and so is one that
+    checkpoints while the budget has grown by more than `REGROW` (memory was freed: a faster
+    plan may fit). Every plan is logged on the `rematlab` logger and kept in `events`."""
+
+    REGROW = 1.25
 
     def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
                  blocks: list[nn.Module] | str | list[str] | None = None,
-                 loss_fn: LossFn | None = None, predict: bool = False) -> None:
+                 loss_fn: LossFn | None = None, predict: bool = False,
+                 recheck_s: float = 10.0) -> None:
         super().__init__()
         self.model = model
         self.budget = checked(budget)  # 'auto' is derived again for every new shape
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.predict = predict
+        self.recheck_s = recheck_s
         self._blocks = blocks
         self.plans: dict[tuple, nn.Module] = {}
+        self.events: list[Replan] = []
+        self._chosen: dict[tuple, Plan] = {}
+        self._state: dict[tuple, int] = {}  # optimizer-state bytes each plan counted
+        self._checked = time.monotonic()
+        self._stepped = False  # after a training call the optimizer's state exists
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
@@ -316,11 +352,41 @@ class AutoRemat(nn.Module):
             raise ConfigError("auto() takes positional or keyword inputs, not both")
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(batch))
         if key not in self.plans:
-            chosen = plan(self.model, detached(batch), self.budget, optimizer=self.optimizer,
-                          blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict)
-            self.plans[key] = apply(self.model, chosen, blocks=self._blocks,
-                                    example_input=batch)
+            self._plan(key, batch, "new input shapes")
+        elif is_auto(self.budget) and time.monotonic() - self._checked >= self.recheck_s:
+            self._recheck(key, batch)
+        self._stepped = True
         return call(self.plans[key], batch)
+
+    def _recheck(self, key: tuple, batch: Any) -> None:
+        """Derive the budget again; re-plan when the cached plan no longer fits it, or when
+        it checkpoints and the budget has grown."""
+        self._checked = time.monotonic()
+        chosen = self._chosen[key]
+        now = derive(self.budget, self.model, batch, self._state[key]).nbytes
+        peak = chosen.measured_peak or chosen.predicted_peak or 0
+        if peak > now:
+            self._plan(key, batch, f"budget fell to {format_bytes(now)}, below the plan's "
+                                   f"peak {format_bytes(peak)}")
+        elif chosen.segments and now > self.REGROW * (chosen.budget or now):
+            self._plan(key, batch, f"budget grew to {format_bytes(now)} from "
+                                   f"{format_bytes(chosen.budget or 0)}")
+
+    def _plan(self, key: tuple, batch: Any, reason: str) -> None:
+        planning = prepare(self.model, detached(batch), optimizer=self.optimizer,
+                           blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict)
+        # after a training call the user's optimizer holds its state: resident, as the
+        # parameters are (CPU; on CUDA the process's held memory already counts it)
+        state = planning.costs.state if self._stepped else 0
+        derived = derive(self.budget, self.model, batch, state)
+        chosen = planning.choose(derived.nbytes)
+        self._chosen[key], self._state[key] = chosen, planning.costs.state
+        self.plans[key] = apply(self.model, chosen, blocks=self._blocks, example_input=batch)
+        event = Replan(tuple(k[0] for k in key), reason, derived.nbytes, chosen.describe(),
+                       chosen.measured_peak or chosen.predicted_peak or 0)
+        self.events.append(event)
+        _log.info("rematlab.auto: planned %s for shapes %s (%s): budget %s (%s)",
+                  event.plan, event.shapes, reason, format_bytes(derived.nbytes), derived.how)
 
 
 def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:
