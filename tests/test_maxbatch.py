@@ -44,7 +44,7 @@ def vgg_search():
 def test_vgg16_without_remat_exact_largest_batch(vgg_search):
     net, shape, found = vgg_search
     none = found.fit("none")
-    assert 0 < none.batch and not none.at_limit
+    assert none.batch > 0 and not none.at_limit
     assert _none_peak(net, _shape_batch(shape, none.batch)) <= 256 * MIB
     assert _none_peak(net, _shape_batch(shape, none.batch + 1)) > 256 * MIB
 
@@ -121,7 +121,7 @@ def test_bad_arguments_are_config_errors():
         max_batch(net, x, "1GiB", limit=0)
     with pytest.raises(ConfigError):
         max_batch(net, x, "lots")
-    with pytest.raises(ConfigError, match="nn.Module"):
+    with pytest.raises(ConfigError, match=r"nn\.Module"):
         max_batch(lambda t: t, x, "1GiB")
 
 

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from rematlab import load
 from rematlab import study as study_mod
 from rematlab.study import StudySettings, run_study
 
@@ -27,10 +28,18 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
     said: list[str] = []
     html, md = run_study(settings, say=said.append)
     assert html.exists() and md.exists() and (tmp_path / "out" / "predictor.skops").exists()
-    assert [s[:5] for s in said if s.startswith("[")] == [f"[{i}/6]" for i in range(1, 7)]
+    assert [s[:5] for s in said if s.startswith("[")] == [f"[{i}/7]" for i in range(1, 8)]
     text = html.read_text()
-    assert text.count("data:image/png;base64,") == 4
+    assert text.count("data:image/png;base64,") == 5
     assert "mlp3" in text and "lenet5" in text
+    # every architecture gets a cap between none's two largest peaks and its largest batch
+    # under it, without and with remat
+    caps = study_mod.grid_caps(load(settings.db, "config_summary"))
+    assert set(caps) == {"mlp3", "lenet5"}
+    guidelines = md.read_text().split("### Guidelines")[1].split("###")[0]
+    assert "largest batch under cap (none -> remat)" in guidelines
+    assert all(f"| {m} |" in guidelines for m in caps)
+    assert guidelines.count(" -> ") >= 1 + len(caps)
 
     import rematlab.gradients
     import rematlab.predictor
@@ -41,6 +50,7 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
     monkeypatch.setattr(rematlab.gradients, "compare", fail)
     monkeypatch.setattr(rematlab.predictor, "evaluate", fail)
     monkeypatch.setattr(study_mod, "_plan_stage", fail)
+    monkeypatch.setattr(study_mod, "_batch_stage", fail)
     run_study(settings, say=said.append)
 
 

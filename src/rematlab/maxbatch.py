@@ -19,8 +19,9 @@ Searching by measurement alone would profile the model at a dozen large batches.
    hold, so the result is exact whatever the model's error: `batch` fits, `batch + 1` does
    not.
 3. *Throughput.* Each result is timed as a full training step (forward, loss, backward,
-   optimizer) after warm-up, median of repeats with their spread; throughput is samples
-   per second at the median.
+   optimizer) after warm-up, both cases interleaved round by round (a busy machine slows
+   them alike), median of repeats with their spread; throughput is samples per second at
+   the median.
 """
 
 from __future__ import annotations
@@ -349,52 +350,70 @@ class _Searcher:
                         measured=len(self.seen) - before, at_limit=batch >= self.limit,
                         plan=chosen.describe() if chosen is not None else None)
 
-    def timed(self, fit: BatchFit, warmup: int, repeats: int) -> BatchFit:
-        if fit.batch == 0:
-            return fit
-        data = self.make(fit.batch)
-        chosen = self.measured(fit.case, fit.batch)[1]
-        run = self.model if chosen is None else apply(self.model, chosen, blocks=self.blocks,
-                                                      example_input=data)
-        seconds = step_seconds(self.model, run, data, self.optimizer, self.loss_fn, warmup,
+    def timed(self, found: list[BatchFit], warmup: int, repeats: int) -> list[BatchFit]:
+        """Each case's step at its batch, timed side by side (`side_by_side`)."""
+        runs = {}
+        for fit in found:
+            if fit.batch == 0:
+                continue
+            chosen = self.measured(fit.case, fit.batch)[1]
+            run = self.model if chosen is None else apply(
+                self.model, chosen, blocks=self.blocks, example_input=self.make(fit.batch))
+            runs[fit.case] = (run, lambda b=fit.batch: self.make(b))
+        seconds = side_by_side(self.model, runs, self.optimizer, self.loss_fn, warmup,
                                repeats)
-        median = statistics.median(seconds)
-        q = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else [median, median,
-                                                                         median]
-        return replace(fit, step_s=median, step_iqr=q[2] - q[0], repeats=len(seconds),
-                       throughput=fit.batch / median)
+        timed = []
+        for fit in found:
+            if fit.case in seconds:
+                median = statistics.median(seconds[fit.case])
+                q = (statistics.quantiles(seconds[fit.case], n=4) if repeats > 1
+                     else [median] * 3)
+                fit = replace(fit, step_s=median, step_iqr=q[2] - q[0], repeats=repeats,
+                              throughput=fit.batch / median)
+            timed.append(fit)
+        return timed
 
 
-def step_seconds(model: nn.Module, run: nn.Module, batch: Batch, optimizer: str | None,
-                 loss_fn: LossFn | None, warmup: int, repeats: int) -> list[float]:
-    """Seconds per training step of `run` (forward, loss, backward, optimizer step), after
-    `warmup` steps, for each of `repeats` rounds (fast steps averaged in groups). `model`'s
-    weights, gradients, buffers and the RNG are restored afterwards."""
+def side_by_side(model: nn.Module, runs: dict[str, tuple[nn.Module, Callable[[], Batch]]],
+                 optimizer: str | None, loss_fn: LossFn | None, warmup: int, repeats: int
+                 ) -> dict[str, list[float]]:
+    """Seconds per training step (forward, loss, backward, optimizer step) of each run on
+    its batch, interleaved: every round times each candidate once (fast steps averaged in
+    groups), so a busy machine slows them alike and their ratio stays fair. Batches are made
+    per round, never two alive at once. `model`'s weights, gradients, buffers and the RNG
+    are restored afterwards."""
     snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    clock = clock_for(next(tensors(batch)).device)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    clock = clock_for(device)
     opt = make_optimizer(optimizer, model.parameters()) if optimizer else None
 
-    def one() -> None:
-        model.zero_grad(set_to_none=True)
-        out = call(run, batch)
-        (loss_fn or default_loss)(out, batch).backward()
-        if opt is not None:
-            opt.step()
-        del out
+    def steps(run: nn.Module, batch: Batch, count: int) -> None:
+        for _ in range(count):
+            model.zero_grad(set_to_none=True)
+            out = call(run, batch)
+            (loss_fn or default_loss)(out, batch).backward()
+            if opt is not None:
+                opt.step()
+            del out
 
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    group: dict[str, int] = {}
     try:
         with preserved(model):
-            for _ in range(max(1, warmup)):
-                one()
-            clock.start()
-            one()
-            group = steps_per_repeat(clock.stop())
-            seconds = []
-            for _ in range(repeats):
+            for name, (run, make) in runs.items():
+                batch = make()
+                steps(run, batch, max(1, warmup))
                 clock.start()
-                for _ in range(group):
-                    one()
-                seconds.append(clock.stop() / group)
+                steps(run, batch, 1)
+                group[name] = steps_per_repeat(clock.stop())
+                del batch
+            for _ in range(repeats):
+                for name, (run, make) in runs.items():
+                    batch = make()
+                    clock.start()
+                    steps(run, batch, group[name])
+                    seconds[name].append(clock.stop() / group[name])
+                    del batch
     finally:
         model.load_state_dict(snapshot)
     return seconds
@@ -464,5 +483,5 @@ def max_batch(
     found = [searcher.find(case) for case in cases]
     t1 = time.perf_counter()
     if repeats:
-        found = [searcher.timed(f, warmup, repeats) for f in found]
+        found = searcher.timed(found, warmup, repeats)
     return BatchSearch(searcher.budget, found, t1 - t0, time.perf_counter() - t1)

@@ -40,6 +40,7 @@ class StudyResults:
     predictor_models: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)  # StatsReport.to_dict()
     plans: pd.DataFrame = field(default_factory=pd.DataFrame)
+    batches: pd.DataFrame = field(default_factory=pd.DataFrame)  # study._batch_stage rows
     gradients: dict = field(default_factory=dict)  # Comparison.to_dict()
     sweep: dict = field(default_factory=dict)
 
@@ -191,6 +192,26 @@ def _methods(res: StudyResults) -> dict:
             if runs[c].notna().any()}
 
 
+def batch_figure(batches: pd.DataFrame) -> str:
+    """Per architecture, at its cap: the largest batch and its throughput, without remat and
+    with the optimal plan."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    x = np.arange(len(batches))
+    for offset, case, color in ((-0.2, "none", "tab:gray"), (0.2, "remat", "tab:blue")):
+        label = "no remat" if case == "none" else "optimal plan"
+        left.bar(x + offset, batches[f"batch_{case}"], width=0.4, color=color, label=label)
+        right.bar(x + offset, batches[f"samples_s_{case}"].fillna(0), width=0.4, color=color,
+                  label=label)
+    for ax, title in ((left, "largest batch under the cap"),
+                      (right, "throughput at that batch (samples/s)")):
+        ax.set_xticks(x, batches["model"])
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    left.set_yscale("log")
+    fig.tight_layout()
+    return _png(fig)
+
+
 def context(res: StudyResults) -> dict:
     """Everything the templates need, figures included (base64 PNG)."""
     ours = {}
@@ -204,6 +225,8 @@ def context(res: StudyResults) -> dict:
             if len(rows):
                 ours[target] = float(rows["r2"].max())
     figures = {"pareto": pareto_figure(res.summary, res.plans)}
+    if not res.batches.empty:
+        figures["batches"] = batch_figure(res.batches)
     if not res.predictions.empty:
         figures["scatter"] = scatter_figure(res.predictions)
     grad_figs = gradient_figures(res.gradients) if res.gradients else []
@@ -229,6 +252,7 @@ def context(res: StudyResults) -> dict:
                            "time_p"]),
         "friedman": _table(res.stats.get("friedman", [])),
         "plans": _table(res.plans) if not res.plans.empty else None,
+        "batches": _table(res.batches) if not res.batches.empty else None,
         "gradients": _table(res.gradients.get("table", []),
                             ["model", "method", "seeds", "lr", "final_accuracy",
                              "reached", "seconds_to_target", "flops_to_target",

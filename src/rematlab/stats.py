@@ -146,9 +146,11 @@ def paired_log_ratios(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
-            settings: Settings | None = None, memory_cap: int | None = None) -> StatsReport:
+            settings: Settings | None = None,
+            memory_cap: int | dict[str, int] | None = None) -> StatsReport:
     """All tests, effect sizes, guidelines and the claims check on a `config_summary` frame
-    (and the `runs` frame for repeat-level noise)."""
+    (and the `runs` frame for repeat-level noise). `memory_cap`: one cap, or one per
+    architecture, for the 'enables batch under cap' guideline."""
     s = settings or Settings()
     if not (summary["outcome"] == "ok").any():
         raise ConfigError("the dataset has no ok configuration to analyze")
@@ -297,7 +299,7 @@ def _band(batch: int) -> str:
 
 
 def _guidelines(summary: pd.DataFrame, ratios: pd.DataFrame, s: Settings,
-                memory_cap: int | None) -> pd.DataFrame:
+                memory_cap: int | dict[str, int] | None) -> pd.DataFrame:
     rows = []
     if ratios.empty:
         return pd.DataFrame()
@@ -323,8 +325,8 @@ def _guidelines(summary: pd.DataFrame, ratios: pd.DataFrame, s: Settings,
                         "time overhead": tim,
                         "overhead CI": f"[{math.expm1(tlo):+.1%}, {math.expm1(thi):+.1%}]"})
         row["pays off from batch"] = _pays_off(ratios[ratios["cfg_model"] == model], s)
-        row["enables batch under cap"] = _enables(summary[summary["cfg_model"] == model],
-                                                  memory_cap)
+        cap = memory_cap.get(model) if isinstance(memory_cap, dict) else memory_cap
+        row["enables batch under cap"] = _enables(summary[summary["cfg_model"] == model], cap)
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,7 @@ def run_study(settings: StudySettings, say: Say = print,
     out.mkdir(parents=True, exist_ok=True)
     cache = _Cache(out)
 
-    say(f"[1/6] sweep: {len(grid.expand())} configurations of grid {grid.name} -> "
+    say(f"[1/7] sweep: {len(grid.expand())} configurations of grid {grid.name} -> "
         f"{settings.db}")
     if sweep_runner is not None:
         result = sweep_runner(grid, settings.db)
@@ -96,28 +97,37 @@ def run_study(settings: StudySettings, say: Say = print,
     summary, runs = load(settings.db, "config_summary"), load(settings.db)
     key = _fingerprint(settings.db)
 
-    say("[2/6] predictors: features, evaluation, fit")
+    say("[2/7] predictors: features, evaluation, fit")
     pred = cache.get("predict", key)
     if pred is None:
         pred = _predict_stage(summary, out)
         cache.put("predict", key, pred)
 
-    say("[3/6] statistics and guidelines")
+    caps = grid_caps(summary)
+    say("[3/7] statistics and guidelines")
     stats = cache.get("stats", key)
     if stats is None:
         from rematlab.stats import analyze
 
-        stats = analyze(summary, runs).to_dict()
+        stats = analyze(summary, runs, memory_cap=caps).to_dict()
         cache.put("stats", key, stats)
 
-    say("[4/6] planner demonstrations")
+    say("[4/7] the largest batch under each architecture's cap, without and with remat")
+    batch_key = f"{key}|{grid.devices[0]}|{sorted(caps.items())}"
+    batches = cache.get("batches", batch_key)
+    if batches is None:
+        batches = {"rows": _batch_stage(grid, caps, say)}
+        cache.put("batches", batch_key, batches)
+    stats["guidelines"] = with_batches(stats.get("guidelines", []), batches["rows"])
+
+    say("[5/7] planner demonstrations")
     plan_key = f"{key}|{settings.plan_fractions}|{grid.devices[0]}"
     plans = cache.get("plans", plan_key)
     if plans is None:
         plans = {"rows": _plan_stage(grid, settings, out, say)}
         cache.put("plans", plan_key, plans)
 
-    say("[5/6] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
+    say("[6/7] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
     grad_key = json.dumps([settings.gradient_models, settings.gradient_budgets,
                            settings.gradient_seeds, settings.gradient_steps])
     grads = cache.get("gradients", grad_key)
@@ -129,12 +139,13 @@ def run_study(settings: StudySettings, say: Say = print,
                         progress=lambda m: say(f"      {m}")).to_dict()
         cache.put("gradients", grad_key, grads)
 
-    say("[6/6] report")
+    say("[7/7] report")
     res = StudyResults(
         grid=grid.name, summary=summary, runs=runs,
         evaluation=pd.DataFrame(pred["evaluation"]),
         predictions=pd.DataFrame(pred["predictions"]),
         predictor_models=pred["models"], stats=stats, plans=pd.DataFrame(plans["rows"]),
+        batches=pd.DataFrame(batches["rows"]),
         gradients=grads, sweep=sweep_info)
     return render(res, out)
 
@@ -148,6 +159,65 @@ def _predict_stage(summary: pd.DataFrame, out: Path) -> dict:
                    for m, p in zip(data[t], predictor.oof_[t], strict=True)]
     return {"evaluation": evaluation.to_dict(orient="records"), "predictions": predictions,
             "models": dict(predictor.names_)}
+
+
+def grid_caps(summary: pd.DataFrame) -> dict[str, int]:
+    """Each architecture's memory cap, derived from the grid: between the measured peaks of
+    `none` at its two largest batch sizes (their geometric mean), so that without remat the
+    second-largest fits and the largest does not — the boundary where remat can matter."""
+    ok = summary[(summary["outcome"] == "ok") & (summary["cfg_strategy"] == "none")]
+    caps = {}
+    for model, g in ok.groupby("cfg_model"):
+        peaks = g.groupby("cfg_batch")["peak_bytes_median"].median().sort_index()
+        if len(peaks) >= 2:
+            caps[str(model)] = int(math.sqrt(float(peaks.iloc[-1]) * float(peaks.iloc[-2])))
+    return caps
+
+
+def _batch_stage(grid: Grid, caps: dict[str, int], say: Say) -> list[dict]:
+    """`max_batch` for each zoo architecture of the grid at its cap: the largest batch and
+    its throughput without remat and with the optimal plan."""
+    from rematlab import zoo
+    from rematlab.maxbatch import max_batch
+
+    device = torch.device(grid.devices[0])
+    rows, seen = [], set()
+    for spec in grid.expand():
+        if spec.model not in zoo.REGISTRY or spec.model in seen or spec.model not in caps:
+            continue
+        seen.add(spec.model)
+        net, shape, _ = zoo.resolve(spec.model, spec.input)
+        torch.manual_seed(spec.seed)
+        net = net.to(device).train()
+        found = max_batch(net, torch.randn(8, *shape, device=device), caps[spec.model],
+                          optimizer=spec.optimizer, repeats=3)
+        none, best = found.fit("none"), found.fit("optimal")
+        say(f"      {spec.model} cap {caps[spec.model] / 2**20:.1f} MiB: batch {none.batch} "
+            f"-> {best.batch} with remat ({found.search_s:.1f} s search)")
+        rows.append({
+            "model": spec.model, "cap_MiB": round(caps[spec.model] / 2**20, 1),
+            "batch_none": none.batch, "batch_remat": best.batch, "samples_s_none": none.throughput,
+            "samples_s_remat": best.throughput,
+            "throughput_ratio": (best.throughput / none.throughput
+                                 if best.throughput and none.throughput else None),
+            "plan": best.plan, "search_s": found.search_s})
+    return rows
+
+
+def with_batches(guidelines: list[dict], batches: list[dict]) -> list[dict]:
+    """The guidelines with each architecture's cap and the largest batch without and with
+    remat under it ('none -> remat', measured by `max_batch`) beside the grid's own answer
+    ('enables batch under cap': the smallest grid batch only a remat strategy fits)."""
+    by_model = {r["model"]: r for r in batches}
+    out = []
+    for row in guidelines:
+        found = by_model.get(row["architecture"])
+        if found is not None:
+            row = {**row, "cap (MiB)": found["cap_MiB"],
+                   "largest batch under cap (none -> remat)":
+                   f"{found['batch_none']} -> {found['batch_remat']}"}
+        out.append(row)
+    return out
 
 
 def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> list[dict]:
