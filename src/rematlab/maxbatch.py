@@ -14,10 +14,12 @@ Searching by measurement alone would profile the model at a dozen large batches.
    simulated peak (no remat) or smallest plan peak (the solver's floor) fits the budget. Each
    probe is a dynamic programme over the blocks: milliseconds.
 2. *Confirmation.* The model's answer is measured: the step at that batch must fit (its
-   peak measured as `rematlab.plan` measures a plan) and at one more sample it must not.
-   Where the model was off, the search gallops from its answer by measurement until both
-   hold, so the result is exact whatever the model's error: `batch` fits, `batch + 1` does
-   not.
+   peak measured as `rematlab.plan` measures a plan; with remat, the peak of the floor
+   plan, the smallest any plan reaches) and at one more sample it must not. Secant steps
+   on measured peaks correct the model's answer, then the search gallops by measurement
+   until both hold, so the result is exact whatever the model's error: `batch` fits,
+   `batch + 1` does not. With remat, the plan kept is then the fastest within the budget
+   at that batch (`rematlab.plan`'s choice, verified).
 3. *Throughput.* Each result is timed as a full training step (forward, loss, backward,
    optimizer) after warm-up, both cases interleaved round by round (a busy machine slows
    them alike), median of repeats with their spread; throughput is samples per second at
@@ -36,11 +38,11 @@ import torch
 from torch import nn
 
 from rematlab.budget import DeviceBudget, checked, resolve
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError
+from rematlab.exceptions import ConfigError
 from rematlab.layers import single_layer
 from rematlab.measure import steps_per_repeat
 from rematlab.planner import Planning, prepare, step_peak
-from rematlab.plans import ChainCosts, none_plan, simulate
+from rematlab.plans import ChainCosts, Plan, none_plan, simulate
 from rematlab.probes import clock_for
 from rematlab.solver import solve
 from rematlab.steps import (
@@ -66,11 +68,12 @@ class BatchFit:
     """The largest batch found for one case (`none`: no remat; `optimal`: the fastest plan
     within the budget at that batch), measured.
 
-    `batch` fits and `batch + 1` does not (`over`: its measured peak, or for `optimal` its
-    measured floor), unless `at_limit` (the search stopped at its upper limit). `estimate` is
-    the cost model's answer before confirmation; `measured` how many batch sizes were
-    measured to confirm it. `step_s` is the median of `repeats` timed steps after warm-up,
-    `step_iqr` their spread; `throughput` samples per second at the median."""
+    `batch` fits and `batch + 1` does not (`over`: its measured peak, for `optimal` that of
+    its floor plan, the smallest any plan reaches), unless `at_limit` (the search stopped
+    at its upper limit). `estimate` is the cost model's answer before confirmation;
+    `measured` how many batch sizes were measured to confirm it. `step_s` is the median of
+    `repeats` timed steps after warm-up, `step_iqr` their spread; `throughput` samples per
+    second at the median."""
 
     case: str
     batch: int
@@ -239,7 +242,8 @@ class _Searcher:
         for b in (start, 2 * start):
             self.planning(b)
         self.layers = self.plannings[start].structure.kind == "layers"
-        self.seen: dict[tuple[str, int], tuple[int | None, Any]] = {}
+        self.seen: dict[tuple[str, int], int | None] = {}
+        self.chosen: dict[int, Plan] = {}
 
     def _kw(self) -> dict:
         return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn}
@@ -262,73 +266,76 @@ class _Searcher:
         """The model's largest batch, re-profiled near its answer until it stands: affine
         extrapolation from small batches misses what does not scale linearly (kernels'
         scratch memory, which phase of the step peaks)."""
-        guess = largest(lambda b: self.modelled(case, b), self.start, self.limit)
+        def fits(b: int) -> bool:
+            return self.modelled(case, b) <= self.budget.nbytes
+
+        guess = largest(fits, self.start, self.limit)
         for _ in range(rounds):
             if guess < 1 or guess in self.plannings:
                 break
             self.planning(guess)
-            nxt = largest(lambda b: self.modelled(case, b), guess, self.limit)
+            nxt = largest(fits, guess, self.limit)
             if nxt == guess:
                 break
             guess = nxt
         return guess
 
-    def modelled(self, case: str, batch: int) -> bool:
+    def modelled(self, case: str, batch: int) -> int:
+        """The cost model's step peak at `batch`: without remat, or the solver's floor."""
         costs = self.costs(batch)
         if case == "none":
-            return simulate(none_plan(costs.n), costs)[0] <= self.budget.nbytes
+            return simulate(none_plan(costs.n), costs)[0]
         n = costs.n
         allowed = (lambda s, k: single_layer(s, k, n)) if self.layers else None
-        return solve(costs, allowed=allowed).min_peak <= self.budget.nbytes
+        return solve(costs, allowed=allowed).min_peak
 
-    def measured(self, case: str, batch: int) -> tuple[int | None, Any]:
-        """(measured peak, plan) of `case` at `batch`; for an infeasible optimal plan the
-        measured floor and None; (None, None) when the step ran out of memory."""
+    def peak(self, case: str, batch: int) -> int | None:
+        """The measured step peak at `batch` without remat, or of the floor plan (the
+        smallest peak any plan reaches, so the optimal case fits iff it does); None when
+        the step ran out of memory. Cached."""
         key = (case, batch)
         if key not in self.seen:
             self.seen[key] = self._measure(case, batch)
         return self.seen[key]
 
-    def _measure(self, case: str, batch: int) -> tuple[int | None, Any]:
+    def _measure(self, case: str, batch: int) -> int | None:
         try:
             if case == "none":
                 costs = self.costs(batch)
                 return step_peak(self.model, self.model, self.make(batch), costs.state,
-                                 costs.optimizer_peak, self.loss_fn), None
+                                 costs.optimizer_peak, self.loss_fn)
             planning = self.planning(batch)
-            planning.batch = self.make(batch)
-            try:
-                chosen = planning.choose(self.budget.nbytes)
-            except InfeasibleBudgetError as exc:
-                return exc.min_peak, None
-            finally:
-                planning.batch = None
-            return chosen.measured_peak, chosen
+            floor = planning.solution.plan_for(planning.solution.min_peak)
+            return self._with_batch(planning, batch, lambda: planning.measure(floor))
         except Exception as exc:
             if is_oom(exc):
-                return None, None
+                return None
             raise
 
+    def _with_batch(self, planning: Planning, batch: int, work: Callable[[], Any]) -> Any:
+        planning.batch = self.make(batch)
+        try:
+            return work()
+        finally:
+            planning.batch = None
+
     def fits(self, case: str, batch: int) -> bool:
-        peak, chosen = self.measured(case, batch)
-        return peak is not None and peak <= self.budget.nbytes and (
-            case == "none" or chosen is not None)
+        peak = self.peak(case, batch)
+        return peak is not None and peak <= self.budget.nbytes
 
-    def corrected(self, estimate: int, rounds: int = 4) -> int:
-        """Without remat the measured peak is piecewise affine in the batch (the largest of
-        a few phases' peaks): secant steps on measured peaks, from the model's estimate and
-        slope, put the guess within a sample or two of the answer."""
-        def modelled_peak(b: int) -> int:
-            costs = self.costs(b)
-            return simulate(none_plan(costs.n), costs)[0]
-
-        b, slope = estimate, modelled_peak(estimate + 1) - modelled_peak(estimate)
+    def corrected(self, case: str, estimate: int, rounds: int = 4) -> int:
+        """The measured peak is piecewise affine in the batch (the largest of a few phases'
+        peaks; for the floor, the smallest of a few plans'): secant steps on measured peaks,
+        from the model's estimate and slope, put the guess within a sample or two of the
+        answer."""
+        b = estimate
+        slope = self.modelled(case, b + 1) - self.modelled(case, b)
         previous: tuple[int, int] | None = None
         for _ in range(rounds):
-            peak = self.measured("none", b)[0]
+            peak = self.peak(case, b)
             if peak is None or b < 1:
                 break
-            if previous is not None and previous[0] != b:
+            if previous is not None:
                 slope = (peak - previous[1]) / (b - previous[0])
             if slope <= 0:
                 break
@@ -342,10 +349,16 @@ class _Searcher:
     def find(self, case: str) -> BatchFit:
         estimate = self.estimate(case)
         before = len(self.seen)
-        guess = self.corrected(estimate) if case == "none" else estimate
-        batch = confirmed(lambda b: self.fits(case, b), guess, self.limit)
-        peak, chosen = self.measured(case, batch) if batch else (None, None)
-        over = None if batch >= self.limit else self.measured(case, batch + 1)[0]
+        batch = confirmed(lambda b: self.fits(case, b), self.corrected(case, estimate),
+                          self.limit)
+        peak, chosen = (self.peak(case, batch) if batch else None), None
+        if batch and case == "optimal":  # the fastest plan within the budget at that batch
+            planning = self.planning(batch)
+            chosen = self._with_batch(planning, batch,
+                                      lambda: planning.choose(self.budget.nbytes))
+            self.chosen[batch] = chosen
+            peak = chosen.measured_peak
+        over = None if batch >= self.limit else self.peak(case, batch + 1)
         return BatchFit(case=case, batch=batch, peak=peak, over=over, estimate=estimate,
                         measured=len(self.seen) - before, at_limit=batch >= self.limit,
                         plan=chosen.describe() if chosen is not None else None)
@@ -356,7 +369,7 @@ class _Searcher:
         for fit in found:
             if fit.batch == 0:
                 continue
-            chosen = self.measured(fit.case, fit.batch)[1]
+            chosen = self.chosen.get(fit.batch) if fit.case == "optimal" else None
             run = self.model if chosen is None else apply(
                 self.model, chosen, blocks=self.blocks, example_input=self.make(fit.batch))
             runs[fit.case] = (run, lambda b=fit.batch: self.make(b))
