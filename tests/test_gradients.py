@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab import gradients
+from rematlab import gradients, peft
 from rematlab.estimators import Method, direction, estimate, fmad_gradient, perturbed, zo_gradient
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import summarize, train, verdict
@@ -139,10 +139,86 @@ def test_verdict_is_computed_from_the_table():
     fm = next(r for r in table if r["method"] == "fmad:2")
     assert v["fmad"]["accuracy_points"] == pytest.approx(ck["final_accuracy"]
                                                          - fm["final_accuracy"])
-    assert "BP+checkpointing" in v["zo"]["statement"]
+    assert "bp+ckpt:sqrt reaches" in v["zo"]["statement"]
 
 
 @pytest.mark.parametrize("bad", ["sgd", "fmad:0", "zo:x", "bp:3"])
 def test_bad_methods_are_config_errors(bad):
     with pytest.raises(ConfigError):
         Method.parse(bad)
+
+
+# --- the paper's regime: a pretrained transformer, LoRA rank 1 (rematlab.peft) -------------
+
+
+@pytest.fixture
+def quick_pretraining(tmp_path, monkeypatch):
+    """A short pretraining, cached in a temporary directory."""
+    monkeypatch.setenv("REMATLAB_CACHE", str(tmp_path))
+    monkeypatch.setitem(peft.PRETRAIN, "steps", 40)
+    return tmp_path
+
+
+def test_pretraining_is_cached_as_weights_only(quick_pretraining):
+    first = peft.pretrained()
+    files = list(quick_pretraining.glob("bert-topics-*.pt"))
+    assert len(files) == 1
+    again = peft.pretrained()  # from the cache: identical weights, no training
+    for (name, a), b in zip(first.state_dict().items(), again.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    files[0].write_bytes(b"damaged")
+    assert isinstance(peft.pretrained(), nn.Module)  # made again, not a crash
+
+
+@pytest.mark.parametrize("method", ["bp", "fmad:1", "zo:1"])
+def test_lora_rank_1_adapters_train_and_the_backbone_stays_bit_identical(quick_pretraining,
+                                                                         method):
+    backbone = peft.pretrained().state_dict()
+    run = train(peft.MODEL, method, steps=8, batch=16, eval_every=4, lr=1e-2,
+                keep_weights=True)
+    tuned = run.state
+    adapters = [k for k in tuned if k.endswith((".a", ".b"))]
+    assert len(adapters) == 2 * 2 * peft.CONFIG["num_hidden_layers"]  # query, value: A, B
+    assert all(tuned[k].shape[0 if k.endswith(".a") else 1] == 1 for k in adapters)  # rank 1
+    assert any(not torch.equal(tuned[k], torch.zeros_like(tuned[k]))
+               for k in adapters if k.endswith(".b"))  # B starts at zero and moved
+    for key, value in backbone.items():
+        if key.startswith("classifier."):
+            continue
+        mapped = key.replace(".query.", ".query.base.").replace(".value.", ".value.base.")
+        assert torch.equal(tuned[mapped], value), key
+
+
+def test_layer_checkpointing_and_the_matched_plan_compute_bps_gradients(quick_pretraining):
+    bp = train(peft.MODEL, "bp", steps=6, batch=16, eval_every=3, lr=0.1, keep_weights=True)
+    layers = train(peft.MODEL, "bp+ckpt:layers", steps=6, batch=16, eval_every=3, lr=0.1,
+                   keep_weights=True)
+    zo = train(peft.MODEL, "zo:1", steps=2, batch=16, eval_every=1, lr=1e-3)
+    net, task = peft.finetune_model(0)
+    fit = peft.matched(net, task.x_train[:16], task.y_train[:16], zo.peak_bytes)
+    matched = train(peft.MODEL, "bp+ckpt:matched", steps=6, batch=16, eval_every=3, lr=0.1,
+                    keep_weights=True, matched=fit)
+    for key, value in bp.state.items():
+        assert torch.equal(layers.state[key], value), key  # recomputation is exact
+        assert torch.allclose(matched.state[key], value, atol=1e-5), key  # summation order
+    assert layers.flops_per_step > bp.flops_per_step  # recomputation is counted
+    # the paper's "comparable memory", exact: the planned run fits the ZO run's peak
+    assert fit.plan.measured_peak <= fit.budget <= zo.peak_bytes
+    assert matched.peak_bytes <= zo.peak_bytes < bp.peak_bytes
+
+
+def test_the_comparison_in_the_papers_regime(quick_pretraining):
+    result = gradients.compare([peft.MODEL], [1], seeds=2, steps=6, batch=16, eval_every=3)
+    methods = [r["method"] for r in result.table]
+    assert methods == ["bp", "bp+ckpt:layers", "bp+ckpt:matched", "fmad:1", "zo:1"]
+    assert result.best_lr[f"{peft.MODEL}/bp+ckpt:matched"] == result.best_lr[f"{peft.MODEL}/bp"]
+    info = result.matched[peft.MODEL]
+    zo = next(r for r in result.table if r["method"] == "zo:1")
+    matched = next(r for r in result.table if r["method"] == "bp+ckpt:matched")
+    assert info["matches"] == "zo:1" and matched["peak_bytes"] <= info["budget"]
+    assert zo["accuracy_ci"] is not None and len(zo["accuracy_ci"]) == 2
+    entries = result.verdict[peft.MODEL]
+    assert set(entries) == {"fmad, bp+ckpt:layers", "zo, bp+ckpt:layers",
+                            "fmad, bp+ckpt:matched", "zo, bp+ckpt:matched"}
+    assert all("accuracy points" in e["statement"] for e in entries.values())

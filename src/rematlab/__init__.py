@@ -1,11 +1,13 @@
 """rematlab: measure, model and optimize activation rematerialization in PyTorch training.
 
 Public API: `apply` a strategy or plan, `measure` a configuration, `plan` the fastest
-checkpointing for a memory budget, `auto` (plan per input shape on the fly), `load` a sweep's
+checkpointing for a memory budget, `auto` (plan per input shape on the fly), `max_batch` (the
+largest batch under a budget, with and without remat, and its throughput), `load` a sweep's
 dataset, `predict` step time and peak memory.
 """
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
+from rematlab.maxbatch import max_batch
 from rematlab.measure import Observation, Spec, measure
 from rematlab.planner import auto, plan
 from rematlab.plans import Plan
@@ -35,6 +37,7 @@ __all__ = [
     "apply",
     "auto",
     "load",
+    "max_batch",
     "measure",
     "parse",
     "plan",

@@ -394,7 +394,9 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
     """Costs of what runs before the first layer and after the last, from one tracked
     training step with every layer kept: live bytes and peaks between five events — first
     layer entered, last layer left, loss computed, gradient of the last layer's output
-    ready, gradient of the first layer's input ready — and the step's end."""
+    ready, gradient of the first layer's input ready (none when it needs no gradient, as
+    under frozen embeddings: nothing before the layers runs backward) — and the step's
+    end."""
     tracker = LiveTensorTracker()
     events: dict[str, tuple[int, int]] = {}
     seen: dict[str, Any] = {}
@@ -421,6 +423,8 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
         mark("first_in")
         if x.requires_grad:
             x.register_hook(on_grad("first_grad"))
+        else:  # frozen embeddings (fine-tuning adapters): backward stops in the layers
+            seen["frozen_input"] = True
 
     def last_out(_m: nn.Module, _args: tuple, out: Any) -> None:
         layer_live.append(tracker.live)
@@ -452,13 +456,15 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
     finally:
         for h in handles:
             h.remove()
-    need = {"first_in", "last_out", "forward_end", "last_grad", "first_grad", "end"}
+    frozen = seen.get("frozen_input", False)
+    need = {"first_in", "last_out", "forward_end", "last_grad", "end"} | (
+        set() if frozen else {"first_grad"})
     if not need <= events.keys():
         raise ConfigError("the model's layers did not take part in backward as a chain "
                           f"(missing events: {sorted(need - events.keys())})")
     start, first_in_ = events["start"][0], events["first_in"]
     last_out_, fwd_end = events["last_out"], events["forward_end"]
-    last_grad, first_grad, end = events["last_grad"], events["first_grad"], events["end"]
+    last_grad, end = events["last_grad"], events["end"]
     layer_params = {id(p) for m in layers for p in m.parameters()}
     outside = [p for p in params if id(p) not in layer_params and p.requires_grad]
     nbytes = {id(p): p.numel() * p.element_size() for p in outside}
@@ -469,7 +475,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
         "output": output,
         "before_saved": first_in_[0] - start - seen["x_first"],
         "before_fwd": first_in_[1] - start,
-        "before_bwd": end[1] - first_grad[0],
+        "before_bwd": 0 if frozen else end[1] - events["first_grad"][0],
         "before_grad": sum(nbytes.values()) - after_grad,
         "after_saved": fwd_end[0] - last_out_[0] + (0 if alive else y) - output,
         "after_keeps_input": alive,

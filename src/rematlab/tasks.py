@@ -70,18 +70,21 @@ def build_model(name: str) -> tuple[nn.Sequential, Task]:
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update B·A (B starts at zero)."""
+    """A frozen linear layer plus a trainable low-rank update (alpha / rank)·B·A, B starting
+    at zero so the adapted model starts as the base (alpha defaults to the rank: scale 1)."""
 
-    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float | None = None) -> None:
         super().__init__()
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
+        self.scale = (alpha if alpha is not None else rank) / rank
         self.a = nn.Parameter(torch.randn(rank, base.in_features) / math.sqrt(base.in_features))
         self.b = nn.Parameter(torch.zeros(base.out_features, rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.a), self.b)
+        update = F.linear(F.linear(x, self.a), self.b)
+        return self.base(x) + (update if self.scale == 1 else self.scale * update)
 
 
 def for_finetuning(model: nn.Sequential, classes: int, rank: int = 4) -> nn.Sequential:
