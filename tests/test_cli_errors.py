@@ -94,8 +94,14 @@ CASES = [
     ("predict", ["--predictor", "{d}/empty.skops", "--model", "mlp3"], "not a rematlab"),
     ("predict", ["--predictor", "{d}/garbage.skops", "--model", "mlp3"], "not a rematlab"),
     ("predict", ["--predictor", "{d}/missing.skops", "--model", "mlp3"], "not found"),
+    # max-batch
+    ("max-batch", ["--model", "mlp3", "--budget", "lots"], "size"),
+    ("max-batch", ["--model", "nope", "--budget", "1GiB"], "nope"),
+    ("max-batch", ["--model", "mlp3", "--budget", "1GiB", "--limit", "0"], "limit"),
+    ("max-batch", ["--model", "mlp3", "--budget", "1GiB", "--device", "cuda:7"], "cuda"),
     # gradients / study
     ("gradients", ["--models", ""], "no model"),
+    ("gradients", ["--batch", "0"], "positive"),
     ("gradients", ["--budgets", "a,b"], "budgets"),
     ("study", ["--device", "cuda:99"], "cuda"),
     ("study", ["--grid", "{d}/grid.toml"], "twice"),

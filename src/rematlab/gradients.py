@@ -277,7 +277,7 @@ def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int
     for model in models:  # fail on a bad name before any training starts
         if model != peft.MODEL:
             build_model(model)
-    eval_every = eval_every or max(1, steps // 25)
+    eval_every = eval_every or max(1, steps // 100)
     runs: list[Run] = []
     best_lr: dict[str, float] = {}
     matched_budget: dict[str, dict] = {}

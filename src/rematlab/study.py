@@ -32,10 +32,11 @@ class StudySettings:
     out: Path = Path("results/study")
     backend: str = "local"
     device: str | None = None
-    gradient_models: tuple[str, ...] = ("mlp5", "lenet5")
-    gradient_budgets: tuple[int, ...] = (1, 4, 16)
-    gradient_seeds: int = 2
-    gradient_steps: int = 120
+    gradient_models: tuple[str, ...] = ("bert-topics",)  # the paper's regime (rematlab.peft)
+    gradient_budgets: tuple[int, ...] = (1,)
+    gradient_seeds: int = 3
+    gradient_steps: int = 600
+    gradient_batch: int = 32
     plan_fractions: tuple[float, ...] = (0.1, 0.5, 0.9)
 
 
@@ -129,13 +130,15 @@ def run_study(settings: StudySettings, say: Say = print,
 
     say("[6/7] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
     grad_key = json.dumps([settings.gradient_models, settings.gradient_budgets,
-                           settings.gradient_seeds, settings.gradient_steps])
+                           settings.gradient_seeds, settings.gradient_steps,
+                           settings.gradient_batch])
     grads = cache.get("gradients", grad_key)
     if grads is None:
         from rematlab.gradients import compare
 
         grads = compare(list(settings.gradient_models), list(settings.gradient_budgets),
                         settings.gradient_seeds, steps=settings.gradient_steps,
+                        batch=settings.gradient_batch,
                         progress=lambda m: say(f"      {m}")).to_dict()
         cache.put("gradients", grad_key, grads)
 
