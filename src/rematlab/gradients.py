@@ -335,8 +335,10 @@ def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int
     return Comparison(runs, best_lr, table, verdict(table, runs), matched_budget)
 
 
-def _interval(values: list[float]) -> tuple[float, float] | None:
-    """95 % t-interval of the mean over seeds (None with fewer than two values)."""
+def _interval(values: list[float], bounds: tuple[float, float] = (-1.0, 1.0)
+              ) -> tuple[float, float] | None:
+    """95 % t-interval of the mean over seeds, within `bounds` (accuracies and their gaps
+    cannot leave [-1, 1]); None with fewer than two values."""
     from scipy import stats
 
     clean = [v for v in values if v is not None and math.isfinite(v)]
@@ -346,7 +348,7 @@ def _interval(values: list[float]) -> tuple[float, float] | None:
     if sem == 0:
         return mean, mean
     lo, hi = stats.t.interval(0.95, len(clean) - 1, loc=mean, scale=sem)
-    return float(lo), float(hi)
+    return max(bounds[0], float(lo)), min(bounds[1], float(hi))
 
 
 def _bootstrap(a: list[float], b: list[float], statistic: Callable[[float, float], float],
@@ -383,7 +385,7 @@ def summarize(runs: list[Run]) -> list[dict]:
                 "model": model, "method": method, "seeds": len(rs), "lr": rs[0].lr,
                 "final_accuracy": float(np.mean(accuracy)),
                 "accuracy_std": float(np.std(accuracy)),
-                "accuracy_ci": _interval(accuracy),
+                "accuracy_ci": _interval(accuracy, (0.0, 1.0)),
                 "target_accuracy": target,
                 "reached": f"{len(reached)}/{len(rs)}",
                 "steps_to_target": _mean([x["steps"] for x in reached], len(rs)),
