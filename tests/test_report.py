@@ -47,6 +47,10 @@ def _results() -> StudyResults:
     plans = pd.DataFrame([{"model": "vgg16", "batch": 64, "budget": 1e8, "plan": "0 [1-1]{1}",
                            "predicted_peak": 9e7, "measured_peak": 9e7, "within_budget": True,
                            "predicted_overhead": 0.1, "step_s": 0.5}])
+    batches = pd.DataFrame([{"model": m, "cap_MiB": 300.0, "batch_none": 91, "batch_remat": b,
+                             "samples_s_none": 198.0, "samples_s_remat": 188.1,
+                             "throughput_ratio": 0.95, "plan": "0 [1-1]{1}", "search_s": 12.6}
+                            for m, b in (("vgg16", 99), ("mlp3", 91))])
     grad_runs = [train("mlp3", m, steps=10, eval_every=5, lr=lr)
                  for m, lr in (("bp", 0.05), ("bp+ckpt", 0.05), ("zo:1", 1e-3))]
     table = summarize(grad_runs)
@@ -55,7 +59,7 @@ def _results() -> StudyResults:
     return StudyResults(grid="synthetic", summary=summary, runs=runs, evaluation=evaluation,
                         predictions=predictions, predictor_models={"time": "gbr",
                                                                    "memory": "analytic"},
-                        stats=stats, plans=plans, gradients=gradients,
+                        stats=stats, plans=plans, gradients=gradients, batches=batches,
                         sweep={"wall_s": 10.0, "measured_s": 4.0, "harness_overhead": 0.6})
 
 
@@ -65,16 +69,18 @@ def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     text = html.read_text()
     parser = _Links()
     parser.feed(text)
-    for section in ("setup", "pareto", "prediction", "statistics", "plans", "gradients",
-                    "limitations"):
+    for section in ("setup", "pareto", "prediction", "statistics", "batches", "plans",
+                    "gradients", "limitations"):
         assert section in parser.ids, section
-    assert len(parser.srcs) == 4  # pareto, scatter, accuracy vs FLOPs, accuracy vs time
+    # pareto, largest batch, scatter, accuracy vs FLOPs, accuracy vs time
+    assert len(parser.srcs) == 5
     assert all(src.startswith("data:image/png;base64,") and len(src) > 1000
                for src in parser.srcs)
     assert all(h[1:] in parser.ids for h in parser.hrefs if h.startswith("#"))
     assert not [h for h in parser.hrefs if not h.startswith("#")]  # opens offline
     assert "0.8594" in text and "0.833" in text  # the study's R² beside ours
-    assert "BP+checkpointing" in text
+    assert "bp+ckpt:sqrt reaches" in text  # the gradient verdict, stated
+    assert "samples_s_remat" in text and "vgg16" in md.read_text()
     claim_lines = {line.split("|")[1].strip(): line for line in md.read_text().splitlines()
                    if line.startswith("| (")}
     for claim in res.stats["claims"]:  # each claim's own verdict, in its own row

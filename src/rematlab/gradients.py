@@ -406,7 +406,7 @@ def summarize(runs: list[Run]) -> list[dict]:
 def _method_order(name: str) -> tuple:
     kind, _, arg = name.partition(":")
     order = {"bp": 0, "bp+ckpt": 1, "fmad": 2, "zo": 3}
-    return order.get(kind, 9), int(arg) if arg.isdigit() else 0
+    return order.get(kind, 9), int(arg) if arg.isdigit() else 0, arg  # arg: a total order
 
 
 def _mean(values: list, n: int) -> float | None:

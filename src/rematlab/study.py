@@ -1,5 +1,5 @@
-"""One command reproduces the study: sweep -> predictors -> statistics -> planner
-demonstrations -> gradient-estimator comparison -> report.
+"""One command reproduces the study: sweep -> predictors -> statistics -> the largest batch
+under a cap -> planner demonstrations -> gradient-estimator comparison -> report.
 
 Every stage reports progress and stores what it produced under `out/cache/`, keyed by what
 it depends on (the dataset's content, the settings); running the study again reuses each
