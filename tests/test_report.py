@@ -100,3 +100,11 @@ def test_report_renders_with_missing_stages(tmp_path):
     text = html.read_text()
     assert "The gradient comparison did not run" in text
     assert text.count("data:image/png;base64,") == 1
+
+
+def test_table_cells_show_intervals_as_brackets():
+    from rematlab.units import format_number
+
+    assert format_number((0.86647, 0.92753)) == "[0.866, 0.928]"
+    assert format_number([1, 2]) == "[1, 2]"
+    assert format_number(float("nan")) == "" and format_number(None) == ""

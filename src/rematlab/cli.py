@@ -58,6 +58,10 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=jsonable) + "\n")
 
 
+Budget = Annotated[str, typer.Option(
+    help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")]
+InputScale = Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")]
+InputShape = Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")]
 InputDtype = Annotated[str, typer.Option(
     help="dtype of generated inputs: float32, ..., or int64 for token ids (with --vocab)")]
 Vocab = Annotated[int | None, typer.Option(help="token ids are drawn below this")]
@@ -136,11 +140,10 @@ def measure(
 @handles_errors
 def plan_cmd(
     model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
-    budget: Annotated[str, typer.Option(
-        help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")],
+    budget: Budget,
     batch: int = 32,
-    input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
-    input_shape: Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")] = None,
+    input: InputScale = None,
+    input_shape: InputShape = None,
     input_dtype: InputDtype = "float32",
     vocab: Vocab = None,
     example: Example = None,
@@ -213,11 +216,10 @@ def plan_cmd(
 @handles_errors
 def max_batch_cmd(
     model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
-    budget: Annotated[str, typer.Option(
-        help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")],
+    budget: Budget,
     batch: Annotated[int, typer.Option(help="the batch size the search starts from")] = 8,
-    input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
-    input_shape: Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")] = None,
+    input: InputScale = None,
+    input_shape: InputShape = None,
     input_dtype: InputDtype = "float32",
     vocab: Vocab = None,
     example: Example = None,

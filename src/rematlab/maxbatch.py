@@ -169,6 +169,17 @@ def scaled(low: ChainCosts, b_low: int, high: ChainCosts, b_high: int, batch: in
                          for f in fields(ChainCosts)})
 
 
+def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The boundary between `low` (fits, or 0) and `high` (does not fit)."""
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def largest(fits: Callable[[int], bool], start: int, limit: int) -> int:
     """The largest `b <= limit` with `fits(b)`, assuming `fits` is monotone: doubling from
     `start`, then bisection. 0 when not even one sample fits."""
@@ -185,13 +196,7 @@ def largest(fits: Callable[[int], bool], start: int, limit: int) -> int:
                 high = nxt
     else:
         low, high = 0, start
-    while high - low > 1:
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    return _bisect(fits, low, high)
 
 
 def confirmed(fits: Callable[[int], bool], estimate: int, limit: int) -> int:
@@ -217,13 +222,7 @@ def confirmed(fits: Callable[[int], bool], estimate: int, limit: int) -> int:
                 low = probe
             else:
                 high, step = probe, 2 * step
-    while high - low > 1:
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    return _bisect(fits, low, high)
 
 
 class _Searcher:

@@ -10,9 +10,12 @@ from rematlab.exceptions import ConfigError
 
 
 def format_number(value: object, digits: int = 3) -> str:
-    """A table cell: `digits` significant digits for floats, blank for a missing value."""
+    """A table cell: `digits` significant digits for floats, an interval (a pair of numbers)
+    as `[lo, hi]`, blank for a missing value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return f"[{format_number(value[0], digits)}, {format_number(value[1], digits)}]"
     if isinstance(value, float):
         return f"{value:.{digits}g}"
     return str(value)
