@@ -170,3 +170,21 @@ def test_the_cli_reports_both_cases_as_json_and_rejects_bad_input():
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
     assert "Traceback" not in bad.stderr
+
+
+def test_running_out_of_memory_while_searching_is_a_result_not_a_crash(monkeypatch):
+    from rematlab import maxbatch
+
+    real = maxbatch.prepare
+
+    def small_device(model, batch, **kw):
+        if batch.shape[0] >= 100:
+            raise MemoryError("out of memory (emulated)")
+        return real(model, batch, **kw)
+
+    monkeypatch.setattr(maxbatch, "prepare", small_device)
+    torch.manual_seed(0)
+    found = max_batch(zoo.mlp(3).train(), torch.randn(8, 1, 28, 28), 24 * MIB, repeats=0,
+                      cases=("optimal",))
+    fit = found.fit("optimal")
+    assert fit.batch == 99 and fit.over is None  # 100 could not run: the largest that can

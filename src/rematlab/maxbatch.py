@@ -272,7 +272,12 @@ class _Searcher:
         for _ in range(rounds):
             if guess < 1 or guess in self.plannings:
                 break
-            self.planning(guess)
+            try:
+                self.planning(guess)
+            except Exception as exc:  # the device cannot even profile it: measure instead
+                if is_oom(exc):
+                    break
+                raise
             nxt = largest(fits, guess, self.limit)
             if nxt == guess:
                 break
