@@ -72,8 +72,8 @@ def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     for section in ("setup", "pareto", "prediction", "statistics", "batches", "plans",
                     "gradients", "limitations"):
         assert section in parser.ids, section
-    # pareto, largest batch, scatter, accuracy vs FLOPs, accuracy vs time
-    assert len(parser.srcs) == 5
+    # pareto, ratios to none, largest batch, scatter, accuracy vs FLOPs, accuracy vs time
+    assert len(parser.srcs) == 6
     assert all(src.startswith("data:image/png;base64,") and len(src) > 1000
                for src in parser.srcs)
     assert all(h[1:] in parser.ids for h in parser.hrefs if h.startswith("#"))
@@ -81,6 +81,8 @@ def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     assert "0.8594" in text and "0.833" in text  # the study's R² beside ours
     assert "bp+ckpt:sqrt reaches" in text  # the gradient verdict, stated
     assert "samples_s_remat" in text and "vgg16" in md.read_text()
+    evaluation = [line for line in md.read_text().splitlines() if "| random 80/20 |" in line]
+    assert evaluation and all("| 1.0 % | 2.0 % |" in line for line in evaluation)  # percent
     claim_lines = {line.split("|")[1].strip(): line for line in md.read_text().splitlines()
                    if line.startswith("| (")}
     for claim in res.stats["claims"]:  # each claim's own verdict, in its own row
@@ -99,7 +101,7 @@ def test_report_renders_with_missing_stages(tmp_path):
     html, _ = render(res, tmp_path)
     text = html.read_text()
     assert "The gradient comparison did not run" in text
-    assert text.count("data:image/png;base64,") == 1
+    assert text.count("data:image/png;base64,") == 2  # the sweep's own: pareto, ratios
 
 
 def test_table_cells_show_intervals_as_brackets():

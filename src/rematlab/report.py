@@ -89,6 +89,45 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
     return _png(fig)
 
 
+def ratio_figure(summary: pd.DataFrame) -> str | None:
+    """Per architecture, peak memory and step time of each strategy as a ratio to `none` at
+    the same batch size, against the batch size: where a strategy saves memory, and what it
+    costs in time, as the batch grows."""
+    ok = summary[summary["outcome"] == "ok"]
+    cols = ["cfg_model", "cfg_batch", "cfg_strategy", "peak_bytes_median", "step_s_median"]
+    base = ok[ok["cfg_strategy"] == "none"][cols].rename(
+        columns={"peak_bytes_median": "peak_none", "step_s_median": "time_none"})
+    other = ok[ok["cfg_strategy"] != "none"][cols].merge(
+        base.drop(columns="cfg_strategy"), on=["cfg_model", "cfg_batch"])
+    if other.empty:
+        return None
+    models = sorted(other["cfg_model"].unique())
+    fig, axes = plt.subplots(2, len(models), figsize=(3.3 * len(models), 6), squeeze=False)
+    strategies = sorted(other["cfg_strategy"].unique())
+    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(strategies)}
+    for j, model in enumerate(models):
+        g = other[other["cfg_model"] == model]
+        for s, h in g.groupby("cfg_strategy"):
+            h = h.sort_values("cfg_batch")
+            axes[0, j].plot(h["cfg_batch"], h["peak_bytes_median"] / h["peak_none"],
+                            marker="o", ms=3, color=colors[s], label=s)
+            axes[1, j].plot(h["cfg_batch"], h["step_s_median"] / h["time_none"], marker="o",
+                            ms=3, color=colors[s], label=s)
+        axes[0, j].set_title(model)
+        for i, label in enumerate(("peak memory / none", "step time / none")):
+            ax = axes[i, j]
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            if j == 0:
+                ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(8, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return _png(fig)
+
+
 def scatter_figure(predictions: pd.DataFrame) -> str:
     """Predicted against measured (out-of-fold) for time and memory, log-log."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -170,6 +209,16 @@ def limitations(res: StudyResults) -> list[str]:
     return out
 
 
+def _percent(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Fractions shown as percentages ('58.5 %'), the unit readers take such columns in."""
+    out = df.copy()
+    for c in columns:
+        if c in out.columns:
+            out[c] = [f"{100 * v:.1f} %" if isinstance(v, (int, float)) and math.isfinite(v)
+                      else "" for v in out[c]]
+    return out
+
+
 def _table(records: list[dict] | pd.DataFrame, columns: list[str] | None = None) -> dict:
     df = pd.DataFrame(records)
     if columns:
@@ -199,21 +248,22 @@ def _methods(res: StudyResults) -> dict:
 
 
 def batch_figure(batches: pd.DataFrame) -> str:
-    """Per architecture, at its cap: the largest batch and its throughput, without remat and
-    with the optimal plan."""
+    """Per architecture, at its cap: the largest batch without remat and with the optimal
+    plan, and the throughput with remat relative to without, each at its largest batch
+    (above 1: remat pays in samples per second)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     x = np.arange(len(batches))
     for offset, case, color in ((-0.2, "none", "tab:gray"), (0.2, "remat", "tab:blue")):
-        label = "no remat" if case == "none" else "optimal plan"
-        left.bar(x + offset, batches[f"batch_{case}"], width=0.4, color=color, label=label)
-        right.bar(x + offset, batches[f"samples_s_{case}"].fillna(0), width=0.4, color=color,
-                  label=label)
-    for ax, title in ((left, "largest batch under the cap"),
-                      (right, "throughput at that batch (samples/s)")):
-        ax.set_xticks(x, batches["model"])
-        ax.set_title(title)
-        ax.legend(fontsize=7)
+        left.bar(x + offset, batches[f"batch_{case}"], width=0.4, color=color,
+                 label="no remat" if case == "none" else "optimal plan")
     left.set_yscale("log")
+    left.set_title("largest batch under the cap")
+    left.legend(fontsize=7)
+    right.bar(x, batches["throughput_ratio"].fillna(0), width=0.5, color="tab:blue")
+    right.axhline(1.0, color="gray", lw=0.8)
+    right.set_title("samples/s with remat / without (each at its largest batch)")
+    for ax in (left, right):
+        ax.set_xticks(x, batches["model"])
     fig.tight_layout()
     return _png(fig)
 
@@ -231,6 +281,9 @@ def context(res: StudyResults) -> dict:
             if len(rows):
                 ours[target] = float(rows["r2"].max())
     figures = {"pareto": pareto_figure(res.summary, res.plans)}
+    ratios = ratio_figure(res.summary)
+    if ratios is not None:
+        figures["ratios"] = ratios
     if not res.batches.empty:
         figures["batches"] = batch_figure(res.batches)
     if not res.predictions.empty:
@@ -247,12 +300,14 @@ def context(res: StudyResults) -> dict:
         "configurations": len(res.summary),
         "sweep": res.sweep,
         "figures": figures,
-        "evaluation": _table(res.evaluation) if not res.evaluation.empty else None,
+        "evaluation": _table(_percent(res.evaluation, ["mape", "p90_ape"]))
+        if not res.evaluation.empty else None,
         "r2": [{"target": t, "study": STUDY_R2[t], "ours": ours.get(t)} for t in STUDY_R2],
         "predictor_models": res.predictor_models,
         "claims": _table(res.stats.get("claims", []),
                          ["claim", "test", "blocks", "p", "effect", "verdict"]),
-        "guidelines": _table(res.stats.get("guidelines", [])),
+        "guidelines": _table(_percent(pd.DataFrame(res.stats.get("guidelines", [])),
+                                      ["memory saving", "time overhead"])),
         "effects": _table(res.stats.get("effects", []),
                           ["architecture", "strategy", "blocks", "summary", "memory_p",
                            "time_p"]),
