@@ -40,6 +40,12 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
     assert "largest batch under cap (none -> remat)" in guidelines
     assert all(f"| {m} |" in guidelines for m in caps)
     assert guidelines.count(" -> ") >= 1 + len(caps)
+    for line in guidelines.splitlines():  # filled for every architecture: a batch or "none"
+        if line.startswith(("| mlp3 |", "| lenet5 |")):
+            cells = [c.strip() for c in line.split("|")]
+            header = [c.strip() for c in guidelines.splitlines()[1].split("|")]
+            value = cells[header.index("enables batch under cap")]
+            assert value == "none" or value.isdigit(), line
 
     import rematlab.gradients
     import rematlab.predictor

@@ -208,17 +208,21 @@ def _batch_stage(grid: Grid, caps: dict[str, int], say: Say) -> list[dict]:
 
 
 def with_batches(guidelines: list[dict], batches: list[dict]) -> list[dict]:
-    """The guidelines with each architecture's cap and the largest batch without and with
-    remat under it ('none -> remat', measured by `max_batch`) beside the grid's own answer
-    ('enables batch under cap': the smallest grid batch only a remat strategy fits)."""
+    """The guidelines with each architecture's cap, the largest batch without and with remat
+    under it ('none -> remat', measured by `max_batch`), and 'enables batch under cap': the
+    smallest batch that only remat fits — the grid's own answer when one of its batch sizes
+    is that batch, else the one `max_batch` measured (none's largest plus one), or 'none'."""
     by_model = {r["model"]: r for r in batches}
     out = []
     for row in guidelines:
         found = by_model.get(row["architecture"])
         if found is not None:
-            row = {**row, "cap (MiB)": found["cap_MiB"],
-                   "largest batch under cap (none -> remat)":
-                   f"{found['batch_none']} -> {found['batch_remat']}"}
+            none, remat = found["batch_none"], found["batch_remat"]
+            enables = row.get("enables batch under cap")
+            if enables is None or (isinstance(enables, float) and math.isnan(enables)):
+                enables = none + 1 if remat > none else "none"
+            row = {**row, "enables batch under cap": enables, "cap (MiB)": found["cap_MiB"],
+                   "largest batch under cap (none -> remat)": f"{none} -> {remat}"}
         out.append(row)
     return out
 
