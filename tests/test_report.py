@@ -46,7 +46,8 @@ def _results() -> StudyResults:
                                 for t in ("time", "memory") for v in (1.0, 2.0, 3.0)])
     plans = pd.DataFrame([{"model": "vgg16", "batch": 64, "budget": 1e8, "plan": "0 [1-1]{1}",
                            "predicted_peak": 9e7, "measured_peak": 9e7, "within_budget": True,
-                           "predicted_overhead": 0.1, "step_s": 0.5}])
+                           "predicted_overhead": 0.1, "step_s": 0.5, "uniform": "uniform:4",
+                           "uniform_fits": True, "uniform_overhead": 0.33}])
     batches = pd.DataFrame([{"model": m, "cap_MiB": 300.0, "batch_none": 91, "batch_remat": b,
                              "samples_s_none": 198.0, "samples_s_remat": 188.1,
                              "throughput_ratio": 0.95, "plan": "0 [1-1]{1}", "search_s": 12.6}
@@ -72,8 +73,8 @@ def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     for section in ("setup", "pareto", "prediction", "statistics", "batches", "plans",
                     "gradients", "limitations"):
         assert section in parser.ids, section
-    # pareto, ratios to none, largest batch, scatter, accuracy vs FLOPs, accuracy vs time
-    assert len(parser.srcs) == 6
+    # pareto, ratios to none, largest batch, planner, scatter, accuracy vs FLOPs and vs time
+    assert len(parser.srcs) == 7
     assert all(src.startswith("data:image/png;base64,") and len(src) > 1000
                for src in parser.srcs)
     assert all(h[1:] in parser.ids for h in parser.hrefs if h.startswith("#"))

@@ -30,7 +30,7 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
     assert html.exists() and md.exists() and (tmp_path / "out" / "predictor.skops").exists()
     assert [s[:5] for s in said if s.startswith("[")] == [f"[{i}/7]" for i in range(1, 8)]
     text = html.read_text()
-    assert text.count("data:image/png;base64,") == 6
+    assert text.count("data:image/png;base64,") == 7
     assert "mlp3" in text and "lenet5" in text
     # every architecture gets a cap between none's two largest peaks and its largest batch
     # under it, without and with remat

@@ -128,6 +128,38 @@ def ratio_figure(summary: pd.DataFrame) -> str | None:
     return _png(fig)
 
 
+def planner_figure(plans: pd.DataFrame) -> str | None:
+    """Per architecture, against the budget: the plan's measured step peak (it must stay
+    under the diagonal), and its predicted time overhead beside that of the best uniform
+    count that fits the same budget."""
+    if plans.empty or "measured_peak" not in plans:
+        return None
+    models = list(dict.fromkeys(plans["model"]))
+    fig, axes = plt.subplots(2, len(models), figsize=(3.3 * len(models), 6), squeeze=False)
+    for j, model in enumerate(models):
+        g = plans[plans["model"] == model].sort_values("budget")
+        mib = g["budget"] / 2**20
+        top, bottom = axes[0, j], axes[1, j]
+        top.plot(mib, g["measured_peak"] / 2**20, marker="o", label="plan, measured peak")
+        top.plot(mib, mib, color="gray", lw=0.8, label="budget")
+        top.set_title(model)
+        bottom.plot(mib, 100 * g["predicted_overhead"], marker="o", label="plan")
+        if "uniform_overhead" in g:
+            fits = g[g["uniform_fits"].fillna(False).astype(bool)]
+            bottom.plot(fits["budget"] / 2**20, 100 * fits["uniform_overhead"], marker="s",
+                        linestyle="--", label="best uniform:N that fits")
+        for ax in (top, bottom):
+            ax.set_xlabel("budget (MiB)")
+            ax.grid(alpha=0.3)
+        if j == 0:
+            top.set_ylabel("step peak (MiB)")
+            bottom.set_ylabel("time overhead (%, simulated)")
+            top.legend(fontsize=7)
+            bottom.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
 def scatter_figure(predictions: pd.DataFrame) -> str:
     """Predicted against measured (out-of-fold) for time and memory, log-log."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -284,6 +316,9 @@ def context(res: StudyResults) -> dict:
     ratios = ratio_figure(res.summary)
     if ratios is not None:
         figures["ratios"] = ratios
+    planner = planner_figure(res.plans)
+    if planner is not None:
+        figures["planner"] = planner
     if not res.batches.empty:
         figures["batches"] = batch_figure(res.batches)
     if not res.predictions.empty:

@@ -229,7 +229,8 @@ def with_batches(guidelines: list[dict], batches: list[dict]) -> list[dict]:
 
 def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> list[dict]:
     """For each zoo model of the grid at its largest batch: plans at a few budgets between
-    the floor and the unconstrained peak, verified, then measured as a training step."""
+    the floor and the unconstrained peak, verified, then measured as a training step; beside
+    each, the best uniform count that fits the same budget (simulated)."""
     from rematlab import zoo
     from rematlab.measure import Spec, measure
     from rematlab.planner import prepare
@@ -266,11 +267,17 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
                                optimizer=spec.optimizer))
             say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: "
                 f"{chosen.describe()}")
+            uniform = next((r for r in planning.baselines(budget)
+                            if r["strategy"].startswith("uniform")), None)
             rows.append({"model": spec.model, "input": spec.input, "batch": batch,
                          "budget": budget, "floor": solution.min_peak, "plan": chosen.describe(),
                          "predicted_peak": chosen.predicted_peak,
                          "measured_peak": obs.peak if obs.outcome == "ok" else None,
                          "within_budget": bool(obs.peak is not None and obs.peak <= budget),
                          "predicted_overhead": chosen.predicted_time / full_time - 1.0,
-                         "step_s": obs.median() if obs.outcome == "ok" else None})
+                         "step_s": obs.median() if obs.outcome == "ok" else None,
+                         # the best uniform count that fits the same budget (simulated)
+                         "uniform": uniform["strategy"] if uniform else None,
+                         "uniform_fits": bool(uniform and uniform["fits"]),
+                         "uniform_overhead": uniform["overhead"] if uniform else None})
     return rows
