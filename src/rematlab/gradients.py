@@ -161,8 +161,11 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
     run = Run(model_name, str(m), seed, lr, finetune or model_name == peft.MODEL)
     gen = torch.Generator().manual_seed(seed)
 
+    def loss_on(mod: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_logits(mod(x)), y)
+
     def loss_fn(mod: nn.Module) -> torch.Tensor:
-        return F.cross_entropy(_logits(mod(batch_x)), batch_y)
+        return loss_on(mod, batch_x, batch_y)
 
     def step(mod: nn.Module, optimizer: torch.optim.Optimizer, index: int,
              observe: Callable[[], None] | None = None) -> torch.Tensor:
@@ -175,7 +178,7 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
                 p.grad = None
             total = torch.zeros(())
             for xs, ys in zip(batch_x.chunk(parts), batch_y.chunk(parts), strict=True):
-                part = F.cross_entropy(_logits(mod(xs)), ys) / parts
+                part = loss_on(mod, xs, ys) / parts
                 part.backward()
                 total += part.detach()
             loss = total

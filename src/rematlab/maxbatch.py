@@ -41,7 +41,7 @@ from rematlab.budget import DeviceBudget, checked, resolve
 from rematlab.exceptions import ConfigError
 from rematlab.layers import single_layer
 from rematlab.measure import steps_per_repeat
-from rematlab.planner import Planning, prepare, step_peak
+from rematlab.planner import Planning, prepare, resident, step_peak
 from rematlab.plans import ChainCosts, Plan, none_plan, simulate
 from rematlab.probes import clock_for
 from rematlab.solver import solve
@@ -234,9 +234,7 @@ class _Searcher:
         self.model, self.make, self.start, self.limit = model, make, start, limit
         self.optimizer, self.blocks, self.loss_fn = optimizer, blocks, loss_fn
         self.device = next(tensors(make(1))).device
-        resident = sum(t.untyped_storage().nbytes()
-                       for t in [*model.parameters(), *model.buffers()])
-        self.budget = resolve(budget, self.device, resident)
+        self.budget = resolve(budget, self.device, resident(model))  # batches come later
         self.plannings: dict[int, Planning] = {}
         for b in (start, 2 * start):
             self.planning(b)

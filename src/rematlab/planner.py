@@ -118,9 +118,14 @@ def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
     """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device has
     (`rematlab.budget`), where the model's parameters, buffers, the batch and `state` bytes
     of optimizer state that already exist count as resident."""
-    resident = state + sum(t.untyped_storage().nbytes() for t in
-                           [*model.parameters(), *model.buffers(), *tensors(batch)])
-    return resolve(budget, next(tensors(batch)).device, resident)
+    return resolve(budget, next(tensors(batch)).device, state + resident(model, batch))
+
+
+def resident(model: nn.Module, batch: object = ()) -> int:
+    """Bytes of the step's tensors that exist before it runs: `model`'s parameters and
+    buffers, and `batch`'s tensors."""
+    return sum(t.untyped_storage().nbytes()
+               for t in [*model.parameters(), *model.buffers(), *tensors(batch)])
 
 
 def prepare(
