@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from rematlab import Spec, apply, measure, zoo
 from rematlab.exceptions import ConfigError
+from rematlab.guard import Guard
 from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, Span
 from rematlab.steps import make_optimizer
 
@@ -50,23 +51,117 @@ class FakeMemory:
         pass
 
 
+class QuietHost:
+    """A host-load probe that reports a given foreign load for each attempt in turn."""
+
+    def __init__(self, loads=(0.0,)) -> None:
+        self.loads = list(loads)
+
+    def __call__(self):
+        return self
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> float:
+        return self.loads.pop(0) if len(self.loads) > 1 else self.loads[0]
+
+
 def test_measure_reports_exact_figures_from_the_injected_clock_and_memory_probe():
     FakeMemory.made = 0
     obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=ConstantClock(0.002),
-                  memory=FakeMemory)
+                  memory=FakeMemory, guard=Guard(host=QuietHost()))
     assert obs.outcome == "ok"
-    # every phase of every step takes 2 ms: the probe step is 6 ms, so each repeat averages
-    # ceil(0.05 / 0.006) = 9 steps
-    assert obs.figures["steps_per_repeat"] == 9
+    # every phase of every step takes 2 ms, a step 6 ms: each repeat averages the
+    # ceil(0.1 / 0.006) = 17 steps that last MIN_REPEAT_SECONDS
+    assert obs.steps == [17] * 3
     assert obs.times["forward"] == obs.times["backward"] == obs.times["optimizer"] == [0.002] * 3
     assert obs.times["step"] == [pytest.approx(0.006)] * 3
     assert obs.median("step") == pytest.approx(0.006) and obs.iqr("step") == 0.0
     assert obs.times["recompute"] == [0.0] * 3  # `none` recomputes nothing
-    assert obs.measured_seconds == pytest.approx(3 * 0.006 * 9)
-    assert obs.peaks == [4096] * 3 and obs.reserved == [8192] * 3
+    assert obs.measured_seconds == pytest.approx(3 * 0.006 * 17)
+    assert obs.peaks == [4096] and obs.reserved == [8192]  # byte counts: one tracked step
     assert obs.phase_peaks == {"forward": 1024, "backward": 4096, "optimizer": 2048}
-    assert obs.methods["peak"] == "fake"
-    assert FakeMemory.made == 2 + 3 + 1  # two warm-up steps, three repeats, the method name
+    assert obs.methods["peak"].startswith("fake")
+    assert FakeMemory.made == 1 + 1  # the tracked step, the method name
+    assert obs.evidence.attempts == 1 and obs.evidence.trusted
+    assert obs.calibration == [0.002] * 3  # the calibration is timed with the step's clock
+
+
+class BusyClock(ConstantClock):
+    """Every region lasts `seconds`, `slowdown` times longer while another job runs; the job
+    ends when the guard backs off (`quiet`), or never."""
+
+    def __init__(self, seconds: float, slowdown: float) -> None:
+        super().__init__(seconds)
+        self.slowdown = slowdown
+        self.busy = True
+
+    def stop(self) -> float:
+        return self.seconds * (self.slowdown if self.busy else 1.0)
+
+    def quiet(self, seconds: float) -> None:
+        self.busy = False
+
+
+def test_guard_remeasures_timings_disturbed_by_another_job_and_keeps_the_quiet_ones():
+    clock = BusyClock(0.002, slowdown=3.0)
+    # the quiet calibration (0.002 s) is known from earlier configurations of the sweep
+    guard = Guard(reference=0.002, sleep=clock.quiet, host=QuietHost())
+    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=clock, memory=FakeMemory,
+                  guard=guard)
+    assert obs.evidence.attempts == 2 and obs.evidence.trusted
+    assert obs.times["step"] == [pytest.approx(0.006)] * 3  # the disturbed attempt is gone
+    assert obs.evidence.drift == pytest.approx(0.0)
+    rows = obs.rows()
+    assert {r["attempts"] for r in rows} == {2} and all(r["trusted"] for r in rows)
+
+
+def test_guard_flags_timings_that_stay_disturbed_after_its_retries():
+    clock = BusyClock(0.002, slowdown=3.0)
+    waits = []
+    guard = Guard(reference=0.002, sleep=waits.append, host=QuietHost())
+    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=clock, memory=FakeMemory,
+                  guard=guard)
+    assert obs.outcome == "ok" and not obs.evidence.trusted
+    assert obs.evidence.attempts == 3 and waits == [1.0, 2.0]  # bounded, backing off
+    assert obs.evidence.drift == pytest.approx(2.0)
+    assert not any(r["trusted"] for r in obs.rows())
+
+
+def test_guard_flags_cpu_time_taken_by_other_processes():
+    host = QuietHost(loads=[0.6, 0.02])  # another process had 60% of our CPUs, then left
+    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=ConstantClock(0.002),
+                  memory=FakeMemory, guard=Guard(host=host, sleep=lambda s: None))
+    assert obs.evidence.attempts == 2 and obs.evidence.trusted
+    assert obs.evidence.load == pytest.approx(0.02)
+
+
+def test_host_load_sees_a_busy_process_beside_this_one():
+    import subprocess
+    import sys
+    import time
+
+    from rematlab.guard import HostLoad
+
+    if HostLoad()._read() is None:
+        pytest.skip("no /proc here")
+    host = HostLoad()
+    host.start()
+    time.sleep(0.5)
+    quiet = host.stop()
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                               "while time.time() - t < 2: pass"])
+    try:
+        time.sleep(0.3)
+        host.start()
+        time.sleep(1.0)
+        busy = host.stop()
+    finally:
+        burner.wait()
+    cpus = len(host.cpus)
+    # the burner holds one CPU of ours: its share of our CPUs' time is about 1 / cpus
+    assert busy > quiet + 0.5 / cpus, (quiet, busy)
 
 
 def test_recomputation_is_timed_on_its_own_copy_of_the_injected_clock():
@@ -142,6 +237,19 @@ def test_measure_observes_memory_saved_by_checkpointing():
     assert none.figures["forward_flops"] == sqrt.figures["forward_flops"]
 
 
+def test_flops_are_counted_once_per_shape():
+    from rematlab.measure import _COUNTED
+
+    _COUNTED.clear()
+    sgd = measure(Spec(model="mlp3", batch=4, repeats=1, optimizer="sgd"))
+    adam = measure(Spec(model="mlp3", batch=4, repeats=1, optimizer="adam"))
+    wider = measure(Spec(model="mlp3", batch=8, repeats=1, optimizer="adam"))
+    assert len(_COUNTED) == 2  # batch 4 once for both optimizers, batch 8
+    assert sgd.figures["forward_flops"] == adam.figures["forward_flops"] > 0
+    assert wider.figures["forward_flops"] == 2 * sgd.figures["forward_flops"]
+    assert adam.figures["optimizer_state_bytes"] == 2 * sgd.figures["param_bytes"]
+
+
 def test_saved_bytes_exclude_parameters_and_input():
     obs = measure(Spec(model="mlp3", batch=4, repeats=1))
     # mlp3, width 1024: saved are the 2 hidden ReLU outputs and the logits path — far less
@@ -161,9 +269,11 @@ def test_rows_are_one_per_repeat_and_carry_methods_and_environment():
     obs = measure(Spec(model="lenet5", batch=4, repeats=3, strategy="uniform:2"))
     rows = obs.rows()
     assert [r["repeat"] for r in rows] == [0, 1, 2]
-    assert all(r["peak_bytes"] == obs.peaks[i] for i, r in enumerate(rows))
-    for key in ("method_time", "method_peak", "vendor", "torch_version", "device_name",
-                "threads", "host", "timestamp", "rematlab_version"):
+    assert rows[0]["peak_bytes"] == obs.peak and rows[1]["peak_bytes"] is None
+    assert [r["steps_per_repeat"] for r in rows] == obs.steps and all(obs.steps)
+    assert all(r["calibration_s"] > 0 and r["attempts"] >= 1 for r in rows)
+    for key in ("method_time", "method_peak", "method_guard", "vendor", "torch_version",
+                "device_name", "threads", "host", "timestamp", "rematlab_version"):
         assert rows[0][key] not in (None, ""), key
     assert rows[0]["vendor"] == "CPU"
 

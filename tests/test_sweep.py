@@ -11,6 +11,7 @@ import pytest
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import load_grid
+from rematlab.guard import trusted_only
 from rematlab.store import MIGRATIONS, SCHEMA_VERSION, Store, load
 from rematlab.sweep import sweep
 
@@ -191,8 +192,12 @@ def test_old_schema_is_migrated_forward_without_losing_rows(tmp_path):
     con.close()
     with Store(db) as store:
         assert store.schema_version() == SCHEMA_VERSION
-        rows = store.con.execute("SELECT config_id, reserved_bytes FROM runs").fetchall()
-    assert rows == [("abc", None)]
+        rows = store.con.execute("SELECT config_id, reserved_bytes, trusted FROM runs"
+                                 ).fetchall()
+    assert rows == [("abc", None, None)]
+    summary = load(db, "config_summary")
+    kept, dropped = trusted_only(summary)  # rows from before the guard carry no evidence
+    assert len(kept) == 1 and dropped == 0
 
 
 def test_load_of_a_missing_database_is_a_config_error(tmp_path):
@@ -256,3 +261,24 @@ def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, 
     assert row["outcome"] == outcome, row["error"]
     if needle:
         assert needle in row["error"] and out["measured_s"] == 0.0
+
+
+def test_a_warm_worker_measures_configurations_in_turn_and_is_replaced_after_a_death():
+    from rematlab.measure import Spec
+    from rematlab.sweep import Worker
+
+    tiny = Spec(model="tests.userzoo:tiny", batch=4, input_shape=(4,), repeats=1)
+    killed = Spec(model="tests.userzoo:killed_by_the_kernel", batch=4, input_shape=(4,),
+                  repeats=1)
+    worker = Worker()
+    try:
+        assert worker.run(tiny, 120)["rows"][0]["outcome"] == "ok"
+        pid = worker.proc.pid
+        assert worker.run(tiny, 120)["rows"][0]["outcome"] == "ok"
+        assert worker.proc.pid == pid  # the same warm process
+        assert worker.run(killed, 120)["rows"][0]["outcome"] == "oom"
+        assert worker.proc is None  # gone with the configuration that killed it
+        assert worker.run(tiny, 120)["rows"][0]["outcome"] == "ok"
+        assert worker.proc.pid != pid
+    finally:
+        worker.close()

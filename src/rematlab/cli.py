@@ -60,6 +60,8 @@ def _print_json(data: Any) -> None:
 
 Budget = Annotated[str, typer.Option(
     help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")]
+IncludeUntrusted = Annotated[bool, typer.Option(
+    help="also use configurations whose timings the interference guard did not trust")]
 InputScale = Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")]
 InputShape = Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")]
 InputDtype = Annotated[str, typer.Option(
@@ -391,6 +393,7 @@ def stats_cmd(
     = None,
     markdown: Annotated[Path | None, typer.Option(help="also write the tables here")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    include_untrusted: IncludeUntrusted = False,
 ) -> None:
     """Statistical tests, effect sizes, guidelines and the study's claims on a dataset."""
     from rematlab.stats import analyze
@@ -399,7 +402,8 @@ def stats_cmd(
     if markdown is not None:
         refuse_overwriting_inputs(markdown, [db])
     report = analyze(load(db, "config_summary"), load(db, "runs"),
-                     memory_cap=parse_bytes(memory_cap) if memory_cap else None)
+                     memory_cap=parse_bytes(memory_cap) if memory_cap else None,
+                     untrusted=include_untrusted)
     if markdown is not None:
         write_text(markdown, report.to_markdown())
     if as_json:
@@ -423,18 +427,23 @@ def fit(
     db: Annotated[Path, typer.Option(help="results database")],
     out: Annotated[Path, typer.Option(help="predictor file (.skops)")] = Path("predictor.skops"),
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    include_untrusted: IncludeUntrusted = False,
 ) -> None:
     """Fit and evaluate the time and memory predictors; print the evaluation table."""
     from rematlab.predictor import fit_and_evaluate
     from rematlab.store import load
 
     refuse_overwriting_inputs(out, [db])
-    predictor, table, data = fit_and_evaluate(load(db, "config_summary"), out)
+    predictor, table, data = fit_and_evaluate(load(db, "config_summary"), out,
+                                              untrusted=include_untrusted)
+    left_out = data.attrs.get("untrusted_left_out", 0)
     if as_json:
         _print_json({"evaluation": table.to_dict(orient="records"),
-                     "models": predictor.names_, "predictor": str(out)})
+                     "models": predictor.names_, "predictor": str(out),
+                     "configurations": len(data), "untrusted_left_out": left_out})
         return
-    view = Table(title=f"evaluation on {len(data)} configurations (one row per model)")
+    view = Table(title=f"evaluation on {len(data)} configurations (one row per model)"
+                 + (f"; {left_out} left out as untrusted" if left_out else ""))
     for col in ("target", "model", "protocol", "r2", "mape", "p90_ape", "n"):
         view.add_column(col, justify="right")
     for _, r in table.iterrows():

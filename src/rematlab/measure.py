@@ -1,18 +1,24 @@
 """Measure one training configuration: a frozen `Spec` in, an `Observation` out.
 
 A step is forward, cross-entropy loss, backward (which includes recomputation) and an
-optimizer step, on synthetic data. After `warmup` steps (at least 2: optimizer state appears on
-the first), each of `repeats` rounds runs one *timed* step and one *tracked* step:
+optimizer step, on synthetic data. The steps, in order:
 
-- timed: device-synchronised clock around each phase (CUDA events on GPU), nothing else on;
-- tracked: peak memory of the whole step (CUDA: allocator peak after a reset; CPU: the larger
-  of the live-tensor tracker and the allocator's events, which add the scratch memory kernels
-  allocate inside an op — see `rematlab.probes`), per phase.
+1. the first step counts FLOPs (forward, backward, of which recomputation) and the bytes
+   saved for backward — once per shape: configurations that differ only in optimizer or
+   run settings reuse the count (`FlopCounterMode` counts no optimizer update: elementwise);
+   with a `max_memory` cap a tracked, capped step goes first, so an OOM stops the run early;
+2. one *tracked* step: the peak memory of the whole step with the optimizer state present
+   (CUDA: allocator peak after a reset; CPU: the larger of the live-tensor tracker and the
+   allocator's events — see `rematlab.probes`), per phase. Byte counts do not vary between
+   identical steps, so one tracked step is all the figure needs;
+3. `warmup - 2` more untimed steps;
+4. `repeats` *timed* repeats under `rematlab.guard`: a calibration kernel, then as many steps
+   as last `MIN_REPEAT_SECONDS` (their mean is the repeat), device-synchronised clock around
+   each phase (CUDA events on GPU), nothing else on. A disturbed set of repeats is measured
+   again, a bounded number of times; the evidence goes into every row.
 
-Doing both in one step would let the CPU tracker's per-op bookkeeping inflate the times. The
-first warm-up step is tracked too (a `max_memory` cap stops the run there); the second counts
-FLOPs (forward, backward, of which recomputation) and the bytes saved for backward, in a step
-of its own because the FLOP counter holds tensors a little longer and would inflate the peak.
+Counting and tracking happen in steps of their own: the FLOP counter holds tensors a little
+longer (inflating a peak) and the CPU tracker's per-op bookkeeping would inflate the times.
 Out-of-memory — real, or past the `max_memory` cap that emulates a smaller device — is an
 outcome, `oom`, not a crash.
 """
@@ -35,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, SimulatedOOM
+from rematlab.guard import NOISY, Attempt, Calibration, Evidence, Guard
 from rematlab.layers import remat_of
 from rematlab.probes import Clock, MemoryProbe, StepMemory, clock_for, storage_key
 from rematlab.steps import (
@@ -58,9 +65,8 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_REPEATS = 10_000
 MAX_THREADS = 4096
-NOISY_IQR_RATIO = 0.10  # IQR / median above this: too noisy to conclude from
-MIN_REPEAT_SECONDS = 0.05  # a repeat averages enough steps to last at least this long
-MAX_STEPS_PER_REPEAT = 50
+MIN_REPEAT_SECONDS = 0.1  # a repeat averages enough steps to last at least this long
+MAX_STEPS_PER_REPEAT = 1000
 
 
 def steps_per_repeat(step_seconds: float) -> int:
@@ -162,8 +168,11 @@ class Observation:
     outcome: str  # ok | oom | error
     error: str | None = None
     times: dict[str, list[float]] = field(default_factory=dict)  # phase -> seconds per repeat
-    peaks: list[int] = field(default_factory=list)  # bytes per repeat
+    peaks: list[int] = field(default_factory=list)  # bytes per tracked step
     reserved: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # steps each timed repeat averaged
+    calibration: list[float] = field(default_factory=list)  # seconds, before each repeat
+    evidence: Evidence | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)
     figures: dict[str, float] = field(default_factory=dict)
     methods: dict[str, str] = field(default_factory=dict)
@@ -182,9 +191,9 @@ class Observation:
 
     @property
     def noisy(self) -> bool:
-        """The step-time IQR exceeds NOISY_IQR_RATIO of its median."""
+        """The step-time IQR exceeds `guard.NOISY` of its median."""
         med = self.median()
-        return bool(med > 0 and self.iqr() / med > NOISY_IQR_RATIO)
+        return bool(med > 0 and self.iqr() / med > NOISY)
 
     @property
     def peak(self) -> int | None:
@@ -197,11 +206,12 @@ class Observation:
             out[f"{phase}_s_median"] = self.median(phase)
             out[f"{phase}_s_iqr"] = self.iqr(phase)
         out["peak_bytes"] = self.peak
-        out["peak_bytes_spread"] = (max(self.peaks) - min(self.peaks)) if self.peaks else None
         out["phase_peak_bytes"] = self.phase_peaks
         out["noisy"] = self.noisy if self.times else None
-        out["repeats"] = len(self.peaks)
+        out["repeats"] = len(self.times.get("step", []))
         out.update(self.figures)
+        if self.evidence:
+            out.update(self.evidence.columns())
         out["methods"] = self.methods
         out["env"] = self.env
         return out
@@ -210,16 +220,21 @@ class Observation:
         """One dict per repeat (the dataset's grain); a failed run is one row with its outcome."""
         base = {**{f"cfg_{k}": v for k, v in self.spec.to_dict().items()},
                 "outcome": self.outcome, "error": self.error, **self.figures,
-                **{f"method_{k}": v for k, v in self.methods.items()}, **self.env}
+                **{f"method_{k}": v for k, v in self.methods.items()}, **self.env,
+                **(self.evidence.columns() if self.evidence else {})}
         base["cfg_input_shape"] = ",".join(map(str, self.spec.input_shape or ())) or None
-        n = max(len(self.peaks), 1) if self.outcome == "ok" else 1
+        n = max(len(self.times.get("step", [])), 1)
+
+        def at(values: list, r: int):
+            return values[r] if r < len(values) else None
+
         rows = []
-        for r in range(n):
-            row = dict(base, repeat=r)
+        for r in range(n):  # tracked figures sit on the rows of the repeats that had them
+            row = dict(base, repeat=r, peak_bytes=at(self.peaks, r),
+                       reserved_bytes=at(self.reserved, r), steps_per_repeat=at(self.steps, r),
+                       calibration_s=at(self.calibration, r))
             for phase, values in self.times.items():
-                row[f"{phase}_s"] = values[r] if r < len(values) else None
-            row["peak_bytes"] = self.peaks[r] if r < len(self.peaks) else None
-            row["reserved_bytes"] = self.reserved[r] if r < len(self.reserved) else None
+                row[f"{phase}_s"] = at(values, r)
             rows.append(row)
         return rows
 
@@ -343,38 +358,49 @@ def step_memory(device: torch.device, cap: int | None) -> MemoryProbe:
 
 
 class _Tracked:
-    """One tracked step: peaks per phase from the memory probe (and FLOPs, saved bytes when
-    asked)."""
+    """One tracked step: peaks per phase from the memory probe."""
 
-    def __init__(self, s: _Setup, memory: MemoryProbe, cap: int | None, count: bool) -> None:
-        self.s, self.memory, self.cap, self.count = s, memory, cap, count
+    def __init__(self, s: _Setup, memory: MemoryProbe, cap: int | None) -> None:
+        self.s, self.memory, self.cap = s, memory, cap
         self.phase_peaks: dict[str, int] = {}
-        self.flops: dict[str, float] = {}
-        self.saved_bytes = 0
 
     def run(self, clock: Clock) -> tuple[int, int]:
         """Peak and reserved bytes of one step."""
         self.s.opt.zero_grad(set_to_none=True)
         self.memory.track(self.s.persistent())
         with self.memory:
-            _step(self.s, clock, self._around)
+            _step(self.s, clock, self.memory.phase)
         self.phase_peaks = dict(self.memory.phase_peaks)
         peak = self.memory.peak
         if self.cap is not None and peak > self.cap:
             raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
         return peak, self.memory.reserved
 
+
+class _Counted:
+    """One counted step: FLOPs per phase (recomputation apart) and the bytes saved for
+    backward."""
+
+    def __init__(self, s: _Setup) -> None:
+        self.s = s
+        self.flops: dict[str, float] = {}
+        self.saved_bytes = 0
+
+    def run(self, clock: Clock) -> dict[str, float]:
+        _step(self.s, clock, self._around)
+        return {"saved_activation_bytes": self.saved_bytes,
+                **{f"{phase}_flops": self.flops.get(phase, 0.0)
+                   for phase in ("forward", "backward", "recompute", "optimizer")}}
+
     def _around(self, phase: str):
         stack = contextlib.ExitStack()
-        stack.enter_context(self.memory.phase(phase))
-        if self.count:
-            counter = FlopCounterMode(display=False)
-            stack.callback(lambda: self.flops.__setitem__(phase, counter.get_total_flops()))
-            stack.enter_context(counter)
-            if phase == "backward":
-                stack.enter_context(self._count_recompute())
-            if phase == "forward":
-                stack.enter_context(self._saved_probe())
+        counter = FlopCounterMode(display=False)
+        stack.callback(lambda: self.flops.__setitem__(phase, counter.get_total_flops()))
+        stack.enter_context(counter)
+        if phase == "backward":
+            stack.enter_context(self._count_recompute())
+        if phase == "forward":
+            stack.enter_context(self._saved_probe())
         return stack
 
     def _count_recompute(self):
@@ -419,13 +445,46 @@ class _Tracked:
         return probe()
 
 
-def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None = None
-            ) -> Observation:
+# counted figures per shape (`_count_key`), kept for the life of the process: a warm sweep
+# worker counts each shape once
+_COUNTED: dict[tuple, dict[str, float]] = {}
+
+
+def _count_key(spec: Spec) -> tuple:
+    """What FLOPs and saved bytes depend on: not the optimizer (no update is a counted op),
+    the repeats, the threads or a memory cap."""
+    return (spec.model, spec.input, spec.input_shape, spec.batch, spec.strategy, spec.device,
+            spec.dtype, spec.seed, spec.example, spec.input_dtype, spec.vocab, spec.blocks)
+
+
+def _timed(s: _Setup, clock: Clock, calibration: Calibration, repeats: int) -> Attempt:
+    """`repeats` timed repeats, each after a calibration, each the mean of as many steps as
+    last `MIN_REPEAT_SECONDS` (as `timeit` groups fast statements), so that clock resolution
+    and scheduler jitter do not dominate a repeat."""
+    attempt = Attempt()
+    for _ in range(repeats):
+        attempt.calibration.append(calibration.run())
+        runs: list[dict[str, float]] = []
+        elapsed = 0.0
+        while elapsed < MIN_REPEAT_SECONDS and len(runs) < MAX_STEPS_PER_REPEAT:
+            runs.append(_step(s, clock))
+            elapsed += runs[-1]["step"]
+        for phase in runs[0]:
+            attempt.times.setdefault(phase, []).append(statistics.fmean(r[phase] for r in runs))
+        attempt.steps.append(len(runs))
+        attempt.measured_s += elapsed
+    return attempt
+
+
+def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None = None,
+            guard: Guard | None = None) -> Observation:
     """Measure `spec` (see module docstring). Never raises for OOM or runtime failures:
     they become the observation's outcome. Bad specs raise `ConfigError`. `clock` times the
-    phases (and, as a copy of it, recomputation); `memory(device, cap)` makes the probe of a
-    tracked step: both are swappable, so tests drive this logic without hardware."""
+    phases (and, as a copy of it, recomputation and the calibration); `memory(device, cap)`
+    makes the probe of a tracked step; `guard` decides when timings were disturbed: all are
+    swappable, so tests drive this logic without hardware or a busy machine."""
     memory = memory or step_memory
+    guard = guard or Guard()
     spec = spec.validate()
     device = available(parse_device(spec.device))
     if spec.threads:
@@ -435,44 +494,47 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
     obs.methods = {
         "time": f"{type(clock).__name__}, device-synchronised, per phase; median and IQR "
                 f"of {spec.repeats} repeats after {spec.warmup} warm-up steps, each repeat the "
-                f"mean of enough steps to last {MIN_REPEAT_SECONDS:g} s (steps_per_repeat)",
-        "peak": memory(device, None).method,
-        "flops": "torch.utils.flop_counter.FlopCounterMode, second warm-up step",
+                f"mean of the steps that last {MIN_REPEAT_SECONDS:g} s (steps_per_repeat)",
+        "peak": f"{memory(device, None).method}, one tracked step after the first",
+        "flops": "torch.utils.flop_counter.FlopCounterMode, first step, once per shape",
         "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
                  "buffers and the input batch excluded",
+        "guard": guard.describe(),
     }
     setup = None
     try:
         setup = _Setup(spec, device, clock)
         runs_on(setup.model, setup.run, setup.batch, spec.model)
-        _Tracked(setup, memory(device, spec.max_memory), spec.max_memory,
-                 count=False).run(clock)  # warm-up 1, capped
-        counted = _Tracked(setup, memory(device, None), None, count=True)
-        counted.run(clock)  # warm-up 2: FLOPs and saved bytes
+        if spec.max_memory is not None:
+            _Tracked(setup, memory(device, spec.max_memory), spec.max_memory).run(clock)
+        counted = _COUNTED.get(_count_key(spec))
+        if counted is None:
+            counted = _COUNTED[_count_key(spec)] = _Counted(setup).run(clock)
+        elif spec.max_memory is None:
+            _step(setup, clock)  # the first step makes the optimizer state
+        tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory)
+        peak, reserved = tracked.run(clock)
         for _ in range(spec.warmup - 2):
             _step(setup, clock)
-        probe = _step(setup, clock)["step"]  # sizes the repeats; not recorded
-        steps = steps_per_repeat(probe)
-        times: dict[str, list[float]] = {}
-        for _ in range(spec.repeats):
-            runs = [_step(setup, clock) for _ in range(steps)]
-            for phase in runs[0]:
-                times.setdefault(phase, []).append(statistics.fmean(r[phase] for r in runs))
-            tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory,
-                               count=False)
-            peak, reserved = tracked.run(clock)
-            obs.peaks.append(peak)
-            obs.reserved.append(reserved)
-        obs.times = times
-        obs.measured_seconds = sum(times["step"]) * steps
-        obs.phase_peaks = tracked.phase_peaks
-        obs.figures = {**_figures(setup, counted), "steps_per_repeat": steps}
+        calibration = Calibration(device, clock)
+        attempts: list[Attempt] = []
+
+        def timed(s: _Setup = setup) -> Attempt:
+            attempts.append(_timed(s, clock, calibration, spec.repeats))
+            return attempts[-1]
+
+        attempt, obs.evidence = guard.run(timed, key=(str(device), torch.get_num_threads()))
+        obs.times, obs.steps, obs.calibration = attempt.times, attempt.steps, \
+            attempt.calibration
+        obs.peaks, obs.reserved, obs.phase_peaks = [peak], [reserved], tracked.phase_peaks
+        obs.measured_seconds = sum(a.measured_s for a in attempts)
+        obs.figures = {**_figures(setup), **counted}
     except ConfigError:
         raise
     except Exception as exc:  # an outcome to record, not a crash
         obs.outcome = "oom" if is_oom(exc) else "error"
         obs.error = f"{type(exc).__name__}: {exc}"[:500]
-        obs.times, obs.peaks, obs.reserved = {}, [], []
+        obs.times, obs.peaks, obs.reserved, obs.evidence = {}, [], [], None
     finally:
         del setup
         if device.type == "cuda":
@@ -480,7 +542,7 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
     return obs
 
 
-def _figures(s: _Setup, tracked: _Tracked) -> dict[str, float]:
+def _figures(s: _Setup) -> dict[str, float]:
     params = [p for p in s.model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     state = [t for st in s.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
@@ -489,23 +551,19 @@ def _figures(s: _Setup, tracked: _Tracked) -> dict[str, float]:
         "param_bytes": param_bytes,
         "grad_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state if t.dim() > 0),
-        "saved_activation_bytes": tracked.saved_bytes,
-        "forward_flops": tracked.flops.get("forward", 0.0),
-        "backward_flops": tracked.flops.get("backward", 0.0),
-        "recompute_flops": tracked.flops.get("recompute", 0.0),
-        "optimizer_flops": tracked.flops.get("optimizer", 0.0),
         "n_blocks": len(s.remat.blocks),
         "n_segments": len(s.remat.plan.segments),
         "plan": s.remat.plan.describe(),
     }
 
 
-def run_config(spec_dict: dict) -> dict:
-    """Measure one configuration in whatever process calls this (a sweep's child process, a
-    Ray task) -> its rows and measured seconds; a bad spec is a recorded `error` row."""
+def run_config(spec_dict: dict, reference: float | None = None) -> dict:
+    """Measure one configuration in whatever process calls this (a sweep's worker process, a
+    Ray task) -> its rows and measured seconds; a bad spec is a recorded `error` row.
+    `reference`: the quietest calibration the sweep has seen on this device (seconds)."""
     spec = Spec.from_dict(spec_dict)
     try:
-        obs = measure(spec)
+        obs = measure(spec, guard=Guard(reference=reference))
     except ConfigError as exc:
         return {"rows": [failed_row(spec, "error", str(exc))], "measured_s": 0.0}
     return {"rows": obs.rows(), "measured_s": obs.measured_seconds}

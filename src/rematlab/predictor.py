@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError
 from rematlab.files import write_atomic
+from rematlab.guard import trusted_only
 from rematlab.hardware import device_peaks
 from rematlab.measure import DTYPES, Spec
 
@@ -143,12 +144,19 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
     }
 
 
-def dataset(summary: pd.DataFrame) -> pd.DataFrame:
-    """Features and targets of every `ok` configuration of a `config_summary` frame."""
+def dataset(summary: pd.DataFrame, untrusted: bool = False) -> pd.DataFrame:
+    """Features and targets of every `ok` configuration of a `config_summary` frame whose
+    timings the interference guard trusted (all of them with `untrusted`); how many were left
+    out is in the frame's `attrs["untrusted_left_out"]`."""
+    dropped = 0
+    if not untrusted:
+        summary, dropped = trusted_only(summary)
     ok = summary[summary["outcome"] == "ok"].reset_index(drop=True)
     if len(ok) < MIN_FIT:
         raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit predictors, the "
-                          f"dataset has {len(ok)}")
+                          f"dataset has {len(ok)}" + (f" ({dropped} more left out as untrusted: "
+                                                      "--include-untrusted uses them)"
+                                                      if dropped else ""))
     rows = []
     for _, r in ok.iterrows():
         shape = tuple(int(v) for v in str(r["cfg_input_shape"]).split(",")) if isinstance(
@@ -161,7 +169,9 @@ def dataset(summary: pd.DataFrame) -> pd.DataFrame:
         f.update({"time": float(r["step_s_median"]), "memory": float(r["peak_bytes_median"]),
                   "device_key": f"{r.get('vendor')}:{r.get('device_name')}"})
         rows.append(f)
-    return pd.DataFrame(rows)
+    data = pd.DataFrame(rows)
+    data.attrs["untrusted_left_out"] = dropped
+    return data
 
 
 def _config_pipeline(estimator) -> Pipeline:
@@ -420,12 +430,12 @@ def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | No
             "coverage": pred.coverage, "models": dict(pred.names_)}
 
 
-def fit_and_evaluate(summary: pd.DataFrame, out: str | Path | None = None
-                     ) -> tuple[Predictor, pd.DataFrame, pd.DataFrame]:
-    """Features of every ok configuration of a `config_summary` frame, the evaluation table,
-    and the predictor fitted on all of them (saved to `out` when given): what `rematlab fit`
-    and the study's predictor stage both do."""
-    data = dataset(summary)
+def fit_and_evaluate(summary: pd.DataFrame, out: str | Path | None = None,
+                     untrusted: bool = False) -> tuple[Predictor, pd.DataFrame, pd.DataFrame]:
+    """Features of every trusted ok configuration of a `config_summary` frame (`dataset`),
+    the evaluation table, and the predictor fitted on all of them (saved to `out` when
+    given): what `rematlab fit` and the study's predictor stage both do."""
+    data = dataset(summary, untrusted)
     table = evaluate(data)
     predictor = Predictor().fit(data)
     if out is not None:

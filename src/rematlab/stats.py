@@ -33,6 +33,7 @@ from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
 from rematlab.exceptions import ConfigError
+from rematlab.guard import trusted_only
 from rematlab.units import format_number
 
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
@@ -147,16 +148,26 @@ def paired_log_ratios(summary: pd.DataFrame) -> pd.DataFrame:
 
 def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
             settings: Settings | None = None,
-            memory_cap: int | dict[str, int] | None = None) -> StatsReport:
+            memory_cap: int | dict[str, int] | None = None,
+            untrusted: bool = False) -> StatsReport:
     """All tests, effect sizes, guidelines and the claims check on a `config_summary` frame
     (and the `runs` frame for repeat-level noise). `memory_cap`: one cap, or one per
-    architecture, for the 'enables batch under cap' guideline."""
+    architecture, for the 'enables batch under cap' guideline. Configurations whose timings
+    the interference guard did not trust are left out (and counted in the notes) unless
+    `untrusted`."""
     s = settings or Settings()
+    notes = []
+    if not untrusted:
+        summary, dropped = trusted_only(summary)
+        if dropped:
+            notes.append(f"{dropped} configurations left out: the interference guard did not "
+                         "trust their timings (see the trusted column)")
+        if runs is not None:
+            runs = runs[runs["config_id"].isin(summary["config_id"])]
     if not (summary["outcome"] == "ok").any():
         raise ConfigError("the dataset has no ok configuration to analyze")
     ratios = paired_log_ratios(summary)
     blocks = ratios["block"].nunique() if len(ratios) else 0
-    notes = []
     if blocks < MIN_BLOCKS:
         notes.append(f"only {blocks} complete blocks (< {MIN_BLOCKS}): tests are inconclusive")
     effects = _effects(ratios, s)

@@ -24,7 +24,7 @@ import pandas as pd
 from rematlab.exceptions import ConfigError, StoreLockedError
 from rematlab.files import atomic_path, refuse_overwriting_inputs
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Column name -> DuckDB type. Order is the table's column order.
 RUN_COLUMNS: dict[str, str] = {
@@ -44,12 +44,21 @@ RUN_COLUMNS: dict[str, str] = {
     "steps_per_repeat": "INTEGER",
     "plan": "VARCHAR",
     "method_time": "VARCHAR", "method_peak": "VARCHAR", "method_flops": "VARCHAR",
-    "method_saved": "VARCHAR",
+    "method_saved": "VARCHAR", "method_guard": "VARCHAR",
+    "calibration_s": "DOUBLE", "attempts": "INTEGER", "calibration_drift": "DOUBLE",
+    "step_spread": "DOUBLE", "foreign_load": "DOUBLE", "trusted": "BOOLEAN",
+    "calibration_reference_s": "DOUBLE",
     "device_name": "VARCHAR", "vendor": "VARCHAR", "cuda_version": "VARCHAR",
     "rocm_version": "VARCHAR", "torch_version": "VARCHAR", "cpu_model": "VARCHAR",
     "threads": "INTEGER", "host": "VARCHAR", "timestamp": "VARCHAR",
     "rematlab_version": "VARCHAR",
 }
+
+# the guard's evidence (schema v3): one value per configuration, on each of its rows
+GUARD_COLUMNS = ("method_guard", "calibration_s", "attempts", "calibration_drift",
+                 "step_spread", "foreign_load", "trusted", "calibration_reference_s")
+_V1_COLUMNS = [k for k in RUN_COLUMNS
+               if k not in ("reserved_bytes", "steps_per_repeat", *GUARD_COLUMNS)]
 
 _SUMMARY_FIGURES = ("step_s", "forward_s", "backward_s", "recompute_s", "optimizer_s",
                     "peak_bytes")
@@ -60,8 +69,7 @@ MIGRATIONS: dict[int, list[str]] = {
         "CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
         "CREATE TABLE runs ({})".format(", ".join(f"{k} {t}" for k, t in
                                                    RUN_COLUMNS.items()
-                                                   if k not in ("reserved_bytes",
-                                                                "steps_per_repeat"))),
+                                                   if k in _V1_COLUMNS)),
         "CREATE TABLE configs (config_id VARCHAR PRIMARY KEY, sweep_id VARCHAR, "
         "spec VARCHAR, outcome VARCHAR, measured_s DOUBLE, finished_at TIMESTAMP)",
         "CREATE TABLE sweeps (sweep_id VARCHAR PRIMARY KEY, grid VARCHAR, backend VARCHAR, "
@@ -72,6 +80,10 @@ MIGRATIONS: dict[int, list[str]] = {
     # timed repeat
     1: ["ALTER TABLE runs ADD COLUMN reserved_bytes BIGINT",
         "ALTER TABLE runs ADD COLUMN steps_per_repeat INTEGER"],
+    # v3: the interference guard's evidence per row; the harness overhead of each sweep.
+    # Rows from before it keep NULL evidence: analyses keep them (`guard.trusted_only`).
+    2: [*(f"ALTER TABLE runs ADD COLUMN {k} {RUN_COLUMNS[k]}" for k in GUARD_COLUMNS),
+        "ALTER TABLE sweeps ADD COLUMN harness_overhead DOUBLE"],
 }
 
 
@@ -180,6 +192,10 @@ class Store:
             f"any_value(recompute_flops) AS recompute_flops, any_value(params) AS params, "
             f"any_value(param_bytes) AS param_bytes, "
             f"any_value(optimizer_state_bytes) AS optimizer_state_bytes, "
+            f"any_value(trusted) AS trusted, any_value(attempts) AS attempts, "
+            f"any_value(foreign_load) AS foreign_load, "
+            f"any_value(calibration_drift) AS calibration_drift, "
+            f"any_value(step_spread) AS step_spread, "
             f"{figures}, count(step_s) AS n FROM runs GROUP BY config_id, {keys}")
 
     def done(self) -> set[str]:
@@ -226,12 +242,25 @@ class Store:
             raise
 
     def start_sweep(self, sweep_id: str, grid: str, backend: str, configs: int) -> None:
-        self.con.execute("INSERT INTO sweeps VALUES (?, ?, ?, now(), NULL, NULL, NULL, ?, "
-                         "'running')", [sweep_id, grid, backend, configs])
+        self.con.execute("INSERT INTO sweeps (sweep_id, grid, backend, started_at, configs, "
+                         "status) VALUES (?, ?, ?, now(), ?, 'running')",
+                         [sweep_id, grid, backend, configs])
 
     def finish_sweep(self, sweep_id: str, wall_s: float, measured_s: float, status: str) -> None:
+        """Close a sweep's row: its wall time, the time inside measured steps, and the
+        harness overhead (the share of wall time outside them)."""
+        overhead = 1.0 - measured_s / wall_s if wall_s > 0 else None
         self.con.execute("UPDATE sweeps SET finished_at = now(), wall_s = ?, measured_s = ?, "
-                         "status = ? WHERE sweep_id = ?", [wall_s, measured_s, status, sweep_id])
+                         "status = ?, harness_overhead = ? WHERE sweep_id = ?",
+                         [wall_s, measured_s, status, overhead, sweep_id])
+
+    def calibration_references(self, host: str) -> dict[tuple[str, int], float]:
+        """The fastest calibration stored per (device, threads) on `host`: where a resumed
+        sweep's guard starts from."""
+        rows = self.con.execute(
+            "SELECT cfg_device, threads, min(calibration_s) FROM runs WHERE calibration_s "
+            "IS NOT NULL AND host = ? GROUP BY cfg_device, threads", [host]).fetchall()
+        return {(str(d), int(t)): float(v) for d, t, v in rows if t is not None}
 
     def frame(self, table: str = "runs") -> pd.DataFrame:
         """A table as a DataFrame, in a stable order (a view's row order is otherwise

@@ -20,6 +20,7 @@ import torch
 
 from rematlab.files import jsonable, write_text
 from rematlab.grid import Grid, load_grid
+from rematlab.guard import trusted_only
 from rematlab.store import Store, load
 
 Say = Callable[[str], None]
@@ -96,6 +97,7 @@ def run_study(settings: StudySettings, say: Say = print,
         sweep_info = {"wall_s": wall, "measured_s": measured,
                       "harness_overhead": 1 - measured / wall if wall else 0.0}
     summary, runs = load(settings.db, "config_summary"), load(settings.db)
+    sweep_info["untrusted"] = trusted_only(summary)[1]
     key = _fingerprint(settings.db)
 
     say("[2/7] predictors: features, evaluation, fit")

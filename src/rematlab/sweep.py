@@ -1,10 +1,17 @@
 """Run a grid into the results database: isolated, one at a time per device, resumable.
 
-Each configuration runs in a child process of its own (a fresh allocator; a crash, a hang or
-an OOM stays there) under a timeout. Configurations already in the database with a
-result (`ok` or `oom`) are skipped, so re-running a grid resumes it; those stored as `error`
-(a failure to measure, not a result) are run again. Only this driver process writes the
-database. The Ray backend (`rematlab.raybackend`) runs the same worker function as Ray
+Configurations run in a worker process under a timeout, never in the driver: a crash, a hang
+or a real OOM stays there, and only this driver process writes the database. On CPU one warm
+worker measures configuration after configuration (`Worker`): its byte counts (the tracker,
+the allocator's events) do not depend on what ran before, and it has already paid the
+interpreter, import and first-kernel costs, so the sweep's time goes into measuring. It is
+replaced after anything that is not a result (a timeout, a crash, a death). CUDA
+configurations get a fresh worker each: a fresh caching allocator, so reserved bytes and
+peak statistics owe nothing to the previous configuration. Configurations already in the
+database with a result (`ok` or `oom`) are skipped, so re-running a grid resumes it; those
+stored as `error` (a failure to measure, not a result) are run again. The fastest
+calibration stored for this host seeds the interference guard (`rematlab.guard`) of a
+resumed sweep. The Ray backend (`rematlab.raybackend`) runs the same worker function as Ray
 tasks.
 
 Design note — why one at a time: two measurements sharing a device (or the CPU's cores)
@@ -14,8 +21,11 @@ backend reserves a whole device (or all of a node's configured CPUs) per task.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import multiprocessing as mp
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -25,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
@@ -72,23 +83,30 @@ class SweepResult:
         return df.loc[df[metric].idxmin() if mode == "min" else df[metric].idxmax()]
 
 
-def _child(spec_dict: dict, conn) -> None:
+def _serve(conn) -> None:
+    """A worker's loop: a configuration in, its result out, until the driver sends None."""
     if sys.platform.startswith("linux"):  # die with the driver, never orphaned
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    threads = torch.get_num_threads()  # a configuration without a setting gets the default
     try:
-        conn.send(run_config(spec_dict))
-    except BaseException as exc:  # report anything, the driver records it as an error
-        conn.send({"crash": f"{type(exc).__name__}: {exc}"})
+        while (job := conn.recv()) is not None:
+            torch.set_num_threads(threads)
+            try:
+                conn.send(run_config(*job))
+            except BaseException as exc:  # report anything, the driver records it as an error
+                conn.send({"crash": f"{type(exc).__name__}: {exc}"})
+    except EOFError:  # the driver went away
+        pass
     finally:
         conn.close()
 
 
 def _context() -> mp.context.BaseContext:
-    """forkserver where available: children fork from a clean server process that imported
-    torch but never ran it, which is fast (no interpreter start-up per configuration) and
-    safe (forking a process whose OpenMP pool has run can deadlock the child)."""
+    """forkserver where available: workers fork from a clean server process that imported
+    torch but never ran it, which is fast (no interpreter start-up) and safe (forking a
+    process whose OpenMP pool has run can deadlock the child)."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["rematlab.sweep", "rematlab.measure"])
@@ -96,30 +114,65 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
-def run_isolated(spec: Spec, timeout: float) -> dict:
-    """`run_config` in a child process; a timeout or a crash becomes an `error` row."""
-    ctx = _context()
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(spec.to_dict(), child), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        if parent.poll(timeout):
-            result = parent.recv()
-        else:
-            result = {"crash": f"timeout after {timeout:g} s"}
-    except EOFError:
-        result = {"crash": "worker died (killed or crashed)"}
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-    if "crash" in result:
-        code = proc.exitcode
+class Worker:
+    """A worker process that measures configurations one after another (`run`); `None`
+    until started. After a result that is not a measurement — a timeout, a crash, a
+    death — it is gone and the next `run` starts a new one."""
+
+    def __init__(self) -> None:
+        self.proc: mp.process.BaseProcess | None = None
+        self.conn = None
+
+    def _start(self) -> None:
+        ctx = _context()
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def run(self, spec: Spec, timeout: float, reference: float | None = None) -> dict:
+        """`run_config` in the worker; a timeout or a crash becomes an `error` row (a death
+        by SIGKILL, the kernel's OOM killer, an `oom` row) and ends the worker."""
+        if self.proc is None:
+            self._start()
+        try:
+            self.conn.send((spec.to_dict(), reference))
+            if self.conn.poll(timeout):
+                result = self.conn.recv()
+            else:
+                result = {"crash": f"timeout after {timeout:g} s"}
+        except (EOFError, BrokenPipeError):
+            result = {"crash": "worker died (killed or crashed)"}
+        if "crash" not in result:
+            return result
+        code = self.close(kill=True)
         message = result["crash"] + (f" (exit code {code})" if code not in (0, None) else "")
         outcome = "oom" if code == -signal.SIGKILL and "timeout" not in message else "error"
         return {"rows": [failed_row(spec, outcome, message)], "measured_s": 0.0}
-    return result
+
+    def close(self, kill: bool = False) -> int | None:
+        """Stop the worker (asking it, or killing it); its exit code."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if not kill:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        self.conn.close()
+        return proc.exitcode
+
+
+def run_isolated(spec: Spec, timeout: float, reference: float | None = None) -> dict:
+    """`run_config` in a fresh worker of its own, stopped afterwards."""
+    worker = Worker()
+    try:
+        return worker.run(spec, timeout, reference)
+    finally:
+        worker.close()
 
 
 def resume_hint(grid_path: str, db: Path, backend: str) -> str:
@@ -149,6 +202,7 @@ def sweep(
         result = SweepResult(db=db, total=len(specs), skipped=0)
         result.stale = store.mark_stale_sweeps()
         done, failed = store.done(), store.failed()
+        references = store.calibration_references(socket.gethostname())
         todo = [s for s in specs if config_id(s.to_dict()) not in done]
         result.skipped = len(specs) - len(todo)
         result.retried = sum(config_id(s.to_dict()) in failed for s in todo)
@@ -159,7 +213,12 @@ def sweep(
         def record(spec: Spec, out: dict) -> None:
             store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
                                out["rows"], out["measured_s"])
-            outcome = out["rows"][0]["outcome"]
+            first = out["rows"][0]
+            outcome = first["outcome"]
+            if first.get("calibration_reference_s"):
+                key = (spec.device, int(first["threads"]))
+                references[key] = min(references.get(key, math.inf),
+                                      first["calibration_reference_s"])
             result.outcomes[outcome] += 1
             result.measured_s += out["measured_s"]
             if progress:
@@ -172,8 +231,17 @@ def sweep(
         status = "failed"
         try:
             if backend == "local":
-                for spec in todo:
-                    record(spec, run_isolated(spec, grid.timeout))
+                warm = Worker()
+                try:
+                    for spec in todo:
+                        reference = references.get((spec.device, spec.threads or
+                                                    torch.get_num_threads()))
+                        if spec.device.startswith("cuda"):
+                            record(spec, run_isolated(spec, grid.timeout, reference))
+                        else:
+                            record(spec, warm.run(spec, grid.timeout, reference))
+                finally:
+                    warm.close()
             else:
                 from rematlab.raybackend import run_on_ray
 
