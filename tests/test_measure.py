@@ -73,13 +73,13 @@ def test_measure_reports_exact_figures_from_the_injected_clock_and_memory_probe(
                   memory=FakeMemory, guard=Guard(host=QuietHost()))
     assert obs.outcome == "ok"
     # every phase of every step takes 2 ms, a step 6 ms: each repeat averages the
-    # ceil(0.1 / 0.006) = 17 steps that last MIN_REPEAT_SECONDS
-    assert obs.steps == [17] * 3
+    # ceil(0.2 / 0.006) = 34 steps that last MIN_REPEAT_SECONDS
+    assert obs.steps == [34] * 3
     assert obs.times["forward"] == obs.times["backward"] == obs.times["optimizer"] == [0.002] * 3
     assert obs.times["step"] == [pytest.approx(0.006)] * 3
     assert obs.median("step") == pytest.approx(0.006) and obs.iqr("step") == 0.0
     assert obs.times["recompute"] == [0.0] * 3  # `none` recomputes nothing
-    assert obs.measured_seconds == pytest.approx(3 * 0.006 * 17)
+    assert obs.measured_seconds == pytest.approx(3 * 0.006 * 34)
     assert obs.peaks == [4096] and obs.reserved == [8192]  # byte counts: one tracked step
     assert obs.phase_peaks == {"forward": 1024, "backward": 4096, "optimizer": 2048}
     assert obs.methods["peak"].startswith("fake")

@@ -32,8 +32,10 @@ def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, f
 
 def estimate_seconds(specs: list[Spec]) -> float:
     """A rough duration: FLOPs of a step from a meta-device trace at an assumed throughput
-    (`hardware.device_peaks`), times the steps a measurement runs,
-    plus a second of process start-up per configuration."""
+    (`hardware.device_peaks`), times the untimed steps a measurement runs, plus its repeats
+    of at least `MIN_REPEAT_SECONDS`, plus a fifth of a second of set-up per configuration."""
+    from rematlab.measure import MIN_REPEAT_SECONDS
+
     cache: dict[tuple, float] = {}
     total = 0.0
     for s in specs:
@@ -46,7 +48,6 @@ def estimate_seconds(specs: list[Spec]) -> float:
                 with counter:
                     model(x).sum().backward()
             cache[key] = float(counter.get_total_flops())
-        rate = device_peaks(s.device, s.threads or 2)[0]
-        steps = s.warmup + 2 * s.repeats + 1
-        total += cache[key] * 1.3 * steps / rate + 1.0
+        step = cache[key] * 1.3 / device_peaks(s.device, s.threads or 2)[0]
+        total += step * s.warmup + max(step, MIN_REPEAT_SECONDS) * s.repeats + 0.2
     return total

@@ -65,7 +65,7 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_REPEATS = 10_000
 MAX_THREADS = 4096
-MIN_REPEAT_SECONDS = 0.1  # a repeat averages enough steps to last at least this long
+MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough steps to last at least this long
 MAX_STEPS_PER_REPEAT = 1000
 
 
