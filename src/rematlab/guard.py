@@ -12,20 +12,21 @@ configuration. Three signals say it, each cheap:
   the signal on a GPU shared with another process, and where `/proc` is not there;
 - *spread*: the step times' IQR over their median.
 
-A repeat set past any threshold was disturbed. The guard then waits, backing off,
-and measures the repeats again, at most `retries` times, keeps the least disturbed attempt,
-and hands back the evidence — attempts, drift, spread, trusted — that the dataset stores with
-every row. Analyses use trusted rows only and say how many they left out (`trusted_only`).
+Each repeat carries its own load and calibration, so the guard judges repeats, not whole
+measurements: a disturbed repeat is measured again after a back-off (a busy spell of a few
+seconds passes), and a set whose spread is too wide has its outlier measured again, within a
+budget of `retries` re-measurements per repeat. It hands back the evidence — repeats run,
+drift, spread, load, trusted — that the dataset stores with every row. Analyses use trusted
+rows only and say how many they left out (`trusted_only`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -35,7 +36,7 @@ from rematlab.probes import Clock
 
 CALIBRATION_SIZE = 256  # square fp32 matrices: ~34 MFLOP per product, no allocation
 CALIBRATION_PRODUCTS = 16
-DRIFT = 0.25  # calibration slower than the reference by more than this: disturbed
+DRIFT = 0.5  # calibration slower than the reference by more than this: disturbed
 LOAD = 0.15  # other processes took more than this share of our CPUs' time: disturbed
 NOISY = 0.10  # step-time IQR / median above this: too noisy to conclude from
 RETRIES = 2
@@ -98,34 +99,34 @@ class Calibration:
 
 
 @dataclass
-class Attempt:
-    """One set of timed repeats: per phase, the mean seconds of each repeat; the steps each
-    repeat averaged; the calibration before each; every step's seconds summed."""
+class Sample:
+    """One timed repeat: per phase, the mean seconds of its steps; how many steps; the
+    calibration timed just before it; its steps' seconds summed; the foreign load while it
+    ran (`None` where it cannot be read)."""
 
-    times: dict[str, list[float]] = field(default_factory=dict)
-    steps: list[int] = field(default_factory=list)
-    calibration: list[float] = field(default_factory=list)
-    measured_s: float = 0.0
-    load: float | None = None  # foreign share of this process's CPUs, when it can be read
-
-    def spread(self) -> float:
-        """IQR over median of the step times (0 for fewer than two repeats)."""
-        values = self.times.get("step") or []
-        if len(values) < 2:
-            return 0.0
-        q1, median, q3 = np.percentile(values, [25, 50, 75])
-        return float((q3 - q1) / median) if median > 0 else 0.0
+    times: dict[str, float]
+    steps: int
+    calibration: float
+    measured_s: float
+    load: float | None = None
 
     def drift(self, reference: float) -> float:
-        """How much slower than `reference` the calibration ran (median over repeats)."""
-        if not self.calibration or not reference > 0:
-            return 0.0
-        return statistics.median(self.calibration) / reference - 1.0
+        """How much slower than `reference` the calibration before this repeat ran."""
+        return self.calibration / reference - 1.0 if reference > 0 else 0.0
+
+
+def spread(samples: list[Sample]) -> float:
+    """IQR over median of the samples' step times (0 for fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, median, q3 = np.percentile([s.times["step"] for s in samples], [25, 50, 75])
+    return float((q3 - q1) / median) if median > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class Evidence:
-    """What the guard saw: stored with every row of the configuration."""
+    """What the guard saw: stored with every row of the configuration. `attempts` counts
+    the timed repeats run, re-measured ones included."""
 
     attempts: int
     drift: float
@@ -142,8 +143,9 @@ class Evidence:
 
 @dataclass
 class Guard:
-    """The policy: thresholds, the number of re-measurements and their back-off, and the
-    quiet reference known so far (`None`: the fastest calibration this process has seen)."""
+    """The policy: thresholds, the number of re-measurements (`retries` per repeat, at
+    most) and their back-off, and the quiet reference known so far (`None`: the fastest
+    calibration this process has seen)."""
 
     drift: float = DRIFT
     noisy: float = NOISY
@@ -155,50 +157,59 @@ class Guard:
     host: Callable[[], HostLoad] = HostLoad
 
     def describe(self) -> str:
-        return (f"disturbed when other processes took > {self.load:.0%} of this process's "
-                f"CPUs (/proc/stat), or the calibration ({CALIBRATION_PRODUCTS} products of "
-                f"{CALIBRATION_SIZE}x{CALIBRATION_SIZE} fp32 matrices, before every repeat) "
-                f"ran > {self.drift:.0%} slower than the fastest seen on this device and "
-                f"thread count, or the step IQR exceeds {self.noisy:.0%} of the median; "
-                f"re-measured up to {self.retries} times with back-off from "
-                f"{self.backoff_s:g} s; the least disturbed attempt kept")
+        return (f"a repeat is disturbed when other processes took > {self.load:.0%} of this "
+                f"process's CPUs while it ran (/proc/stat), or the calibration before it "
+                f"({CALIBRATION_PRODUCTS} products of {CALIBRATION_SIZE}x{CALIBRATION_SIZE} "
+                f"fp32 matrices) ran > {self.drift:.0%} slower than the fastest seen on this "
+                f"device and thread count; a disturbed repeat, or the outlier of a set whose "
+                f"IQR exceeds {self.noisy:.0%} of the median, is measured again after a "
+                f"back-off from {self.backoff_s:g} s, at most {self.retries} times per repeat")
 
-    def disturbed(self, attempt: Attempt, reference: float) -> bool:
-        return (attempt.drift(reference) > self.drift or attempt.spread() > self.noisy
-                or (attempt.load is not None and attempt.load > self.load))
+    def disturbed(self, sample: Sample, reference: float) -> bool:
+        return sample.drift(reference) > self.drift or (
+            sample.load is not None and sample.load > self.load)
 
-    def _attempt(self, measure: Callable[[], Attempt]) -> Attempt:
-        host = self.host()
-        host.start()
-        attempt = measure()
-        attempt.load = host.stop()
-        return attempt
-
-    def run(self, measure: Callable[[], Attempt], key: tuple) -> tuple[Attempt, Evidence]:
-        """Call `measure` until an attempt is undisturbed or the retries are spent; the
-        least disturbed attempt and the evidence. `key` names the calibration's conditions
-        (device, threads): references are only compared within one."""
-        tries: list[Attempt] = []
-        reference = math.inf
-        for i in range(self.retries + 1):
-            if i:
-                self.sleep(self.backoff_s * 2 ** (i - 1))
-            tries.append(self._attempt(measure))
-            reference = self._reference(key, tries[-1].calibration)
-            if not self.disturbed(tries[-1], reference):
+    def run(self, repeat: Callable[[], Sample], repeats: int, key: tuple
+            ) -> tuple[list[Sample], list[Sample], Evidence]:
+        """Collect `repeats` undisturbed samples of `repeat`, re-measuring a disturbed one
+        (after waiting) or the outlier of a too-wide set, within the re-measure budget
+        (`retries` x `repeats`). Returns the samples kept, every sample measured, and the
+        evidence. `key` names the calibration's conditions (device, threads): references
+        are only compared within one."""
+        budget = self.retries * repeats
+        kept: list[Sample] = []
+        measured: list[Sample] = []
+        redone = 0
+        while True:
+            while len(kept) < repeats:
+                host = self.host()
+                host.start()
+                sample = repeat()
+                sample.load = host.stop()
+                measured.append(sample)
+                reference = self._reference(key, sample.calibration)
+                if self.disturbed(sample, reference) and redone < budget:
+                    redone += 1
+                    self.sleep(self.backoff_s * 2 ** min(redone - 1, 2))
+                    continue
+                kept.append(sample)
+            if spread(kept) <= self.noisy or redone >= budget:
                 break
+            median = float(np.median([s.times["step"] for s in kept]))
+            kept.remove(max(kept, key=lambda s: abs(math.log(s.times["step"] / median))))
+            redone += 1
+        reference = self._reference(key, math.inf)
+        loads = [s.load for s in kept if s.load is not None]
+        trusted = spread(kept) <= self.noisy and not any(
+            self.disturbed(s, reference) for s in kept)
+        return kept, measured, Evidence(
+            attempts=len(measured), spread=spread(kept),
+            drift=float(np.median([s.drift(reference) for s in kept])),
+            load=max(loads) if loads else None, trusted=trusted, reference_s=reference)
 
-        def badness(a: Attempt) -> tuple[bool, float]:
-            return self.disturbed(a, reference), a.drift(reference) + a.spread() + (a.load or 0)
-
-        best = min(tries, key=badness)
-        return best, Evidence(attempts=len(tries), drift=best.drift(reference),
-                              spread=best.spread(), load=best.load,
-                              trusted=not self.disturbed(best, reference), reference_s=reference)
-
-    def _reference(self, key: tuple, calibration: list[float]) -> float:
-        seen = min([*calibration, _FASTEST.get(key, math.inf),
-                    self.reference if self.reference else math.inf])
+    def _reference(self, key: tuple, calibration: float) -> float:
+        seen = min(calibration, _FASTEST.get(key, math.inf),
+                   self.reference if self.reference else math.inf)
         _FASTEST[key] = seen
         return seen
 

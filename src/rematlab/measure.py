@@ -14,8 +14,8 @@ optimizer step, on synthetic data. The steps, in order:
 3. `warmup - 2` more untimed steps;
 4. `repeats` *timed* repeats under `rematlab.guard`: a calibration kernel, then as many steps
    as last `MIN_REPEAT_SECONDS` (their mean is the repeat), device-synchronised clock around
-   each phase (CUDA events on GPU), nothing else on. A disturbed set of repeats is measured
-   again, a bounded number of times; the evidence goes into every row.
+   each phase (CUDA events on GPU), nothing else on. A disturbed repeat is measured again, a
+   bounded number of times; the evidence goes into every row.
 
 Counting and tracking happen in steps of their own: the FLOP counter holds tensors a little
 longer (inflating a peak) and the CPU tracker's per-op bookkeeping would inflate the times.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import platform
 import socket
@@ -41,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, SimulatedOOM
-from rematlab.guard import NOISY, Attempt, Calibration, Evidence, Guard
+from rematlab.guard import NOISY, Calibration, Evidence, Guard, Sample
 from rematlab.layers import remat_of
 from rematlab.probes import Clock, MemoryProbe, StepMemory, clock_for, storage_key
 from rematlab.steps import (
@@ -457,23 +458,18 @@ def _count_key(spec: Spec) -> tuple:
             spec.dtype, spec.seed, spec.example, spec.input_dtype, spec.vocab, spec.blocks)
 
 
-def _timed(s: _Setup, clock: Clock, calibration: Calibration, repeats: int) -> Attempt:
-    """`repeats` timed repeats, each after a calibration, each the mean of as many steps as
-    last `MIN_REPEAT_SECONDS` (as `timeit` groups fast statements), so that clock resolution
-    and scheduler jitter do not dominate a repeat."""
-    attempt = Attempt()
-    for _ in range(repeats):
-        attempt.calibration.append(calibration.run())
-        runs: list[dict[str, float]] = []
-        elapsed = 0.0
-        while elapsed < MIN_REPEAT_SECONDS and len(runs) < MAX_STEPS_PER_REPEAT:
-            runs.append(_step(s, clock))
-            elapsed += runs[-1]["step"]
-        for phase in runs[0]:
-            attempt.times.setdefault(phase, []).append(statistics.fmean(r[phase] for r in runs))
-        attempt.steps.append(len(runs))
-        attempt.measured_s += elapsed
-    return attempt
+def _repeat(s: _Setup, clock: Clock, calibration: Calibration) -> Sample:
+    """One timed repeat, after a calibration: the mean of as many steps as last
+    `MIN_REPEAT_SECONDS` (as `timeit` groups fast statements), so that clock resolution and
+    scheduler jitter do not dominate it."""
+    calibrated = calibration.run()
+    runs: list[dict[str, float]] = []
+    elapsed = 0.0
+    while elapsed < MIN_REPEAT_SECONDS and len(runs) < MAX_STEPS_PER_REPEAT:
+        runs.append(_step(s, clock))
+        elapsed += runs[-1]["step"]
+    return Sample(times={phase: statistics.fmean(r[phase] for r in runs) for phase in runs[0]},
+                  steps=len(runs), calibration=calibrated, measured_s=elapsed)
 
 
 def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None = None,
@@ -517,17 +513,13 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
         for _ in range(spec.warmup - 2):
             _step(setup, clock)
         calibration = Calibration(device, clock)
-        attempts: list[Attempt] = []
-
-        def timed(s: _Setup = setup) -> Attempt:
-            attempts.append(_timed(s, clock, calibration, spec.repeats))
-            return attempts[-1]
-
-        attempt, obs.evidence = guard.run(timed, key=(str(device), torch.get_num_threads()))
-        obs.times, obs.steps, obs.calibration = attempt.times, attempt.steps, \
-            attempt.calibration
+        kept, measured, obs.evidence = guard.run(
+            functools.partial(_repeat, setup, clock, calibration), spec.repeats,
+            key=(str(device), torch.get_num_threads()))
+        obs.times = {phase: [k.times[phase] for k in kept] for phase in kept[0].times}
+        obs.steps, obs.calibration = [k.steps for k in kept], [k.calibration for k in kept]
         obs.peaks, obs.reserved, obs.phase_peaks = [peak], [reserved], tracked.phase_peaks
-        obs.measured_seconds = sum(a.measured_s for a in attempts)
+        obs.measured_seconds = sum(m.measured_s for m in measured)
         obs.figures = {**_figures(setup), **counted}
     except ConfigError:
         raise

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +63,7 @@ SAVED_TYPES = frozenset({
 })
 
 
-@lru_cache(maxsize=256)
+@cache  # one per shape a dataset holds: a few hundred at the study's scale
 def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: int,
            dtype: str, optimizer: str, unit: int):
     from rematlab.chain import profile_chain
@@ -274,7 +274,7 @@ def make_model(name: str) -> BaseEstimator:
     if name == "sgd":
         return Floored(_config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6, random_state=0)))
     if name == "rf":
-        return Floored(_config_pipeline(RandomForestRegressor(n_estimators=200,
+        return Floored(_config_pipeline(RandomForestRegressor(n_estimators=200, n_jobs=-1,
                                                               random_state=0)))
     if name == "gbr":
         return LogTarget(_analytic_pipeline())
@@ -290,6 +290,7 @@ def make_model(name: str) -> BaseEstimator:
                       f"{sorted({*MODELS['time'], *MODELS['memory']})}")
 
 
+RANDOM = "random 80/20"  # the study's protocol: the one the predictor chooses its models by
 MODELS = {"time": ["sgd", "rf", "gbr", "roofline", "roofline+gbr"],
           "memory": ["sgd", "rf", "gbr", "analytic", "analytic+gbr"]}
 CANDIDATES = {"time": ["gbr", "roofline", "roofline+gbr"],
@@ -306,17 +307,20 @@ def _metrics(y: np.ndarray, p: np.ndarray) -> dict:
 def _cv(data: pd.DataFrame, protocol: str, seed: int = 0):
     """scikit-learn splitter and groups of a protocol: the study's random 80/20, repeated over
     5 disjoint folds, or leaving one architecture / batch size / device out."""
-    if protocol == "random 80/20":
+    if protocol == RANDOM:
         return KFold(n_splits=5, shuffle=True, random_state=seed), None
     column = {"leave one architecture out": "model", "leave one batch size out": "batch",
               "leave one device out": "device_key"}[protocol]
     return LeaveOneGroupOut(), data[column].to_numpy()
 
 
-def evaluate(data: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+def evaluate(data: pd.DataFrame, seed: int = 0,
+             oof: dict[tuple[str, str], np.ndarray] | None = None) -> pd.DataFrame:
     """One table, every model in rows, per protocol and target: R², MAPE, P90 APE, from
-    out-of-fold predictions (`cross_val_predict`)."""
-    protocols = ["random 80/20", "leave one architecture out", "leave one batch size out"]
+    out-of-fold predictions (`cross_val_predict`). `oof`, when given, receives the random
+    protocol's out-of-fold predictions per (target, model): `Predictor.fit` chooses from
+    them instead of cross-validating the same folds again."""
+    protocols = [RANDOM, "leave one architecture out", "leave one batch size out"]
     if data["device_key"].nunique() > 1:
         protocols.append("leave one device out")
     rows = []
@@ -327,10 +331,12 @@ def evaluate(data: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
                 cv, groups = _cv(data, protocol, seed)
                 if groups is not None and len(np.unique(groups)) < 2:
                     continue
-                oof = cross_val_predict(make_model(name), data, y, cv=cv, groups=groups)
+                pred = cross_val_predict(make_model(name), data, y, cv=cv, groups=groups)
+                if oof is not None and protocol == RANDOM and seed == 0:
+                    oof[(target, name)] = pred
                 label = name + (" (study baseline)" if name in ("sgd", "rf") else "")
                 rows.append({"target": target, "model": label, "protocol": protocol,
-                             **_metrics(y, oof)})
+                             **_metrics(y, pred)})
     return pd.DataFrame(rows)
 
 
@@ -345,22 +351,27 @@ class Predictor:
     half_width_: dict = field(default_factory=dict)
     oof_: dict = field(default_factory=dict)  # out-of-fold predictions of the chosen models
 
-    def fit(self, data: pd.DataFrame) -> Predictor:
-        """Per target, pick the candidate with the lowest out-of-fold MAPE, then refit it on
-        all data; the interval half-width is the `coverage` quantile of its out-of-fold
-        absolute log error."""
+    def fit(self, data: pd.DataFrame,
+            oof: dict[tuple[str, str], np.ndarray] | None = None) -> Predictor:
+        """Per target, pick the candidate with the lowest out-of-fold MAPE (the random
+        protocol's folds; `oof` holds them when `evaluate` has computed them already), then
+        refit it on all data; the interval half-width is the `coverage` quantile of its
+        out-of-fold absolute log error."""
         if len(data) < MIN_FIT:
             raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit, got "
                               f"{len(data)}")
-        folds = KFold(n_splits=5, shuffle=True, random_state=0)
+        folds, _ = _cv(data, RANDOM)
+        oof = oof or {}
         for target, names in CANDIDATES.items():
             y = data[target].to_numpy(float)
             best = None
             for name in names:
-                oof = cross_val_predict(make_model(name), data, y, cv=folds)
-                err = float(mean_absolute_percentage_error(y, oof))
+                pred = oof.get((target, name))
+                if pred is None:
+                    pred = cross_val_predict(make_model(name), data, y, cv=folds)
+                err = float(mean_absolute_percentage_error(y, pred))
                 if best is None or err < best[1]:
-                    best = (name, err, oof)
+                    best = (name, err, pred)
             name, _, oof = best
             self.names_[target] = name
             self.oof_[target] = oof
@@ -436,8 +447,9 @@ def fit_and_evaluate(summary: pd.DataFrame, out: str | Path | None = None,
     the evaluation table, and the predictor fitted on all of them (saved to `out` when
     given): what `rematlab fit` and the study's predictor stage both do."""
     data = dataset(summary, untrusted)
-    table = evaluate(data)
-    predictor = Predictor().fit(data)
+    oof: dict[tuple[str, str], np.ndarray] = {}
+    table = evaluate(data, oof=oof)
+    predictor = Predictor().fit(data, oof)
     if out is not None:
         predictor.save(out)
     return predictor, table, data
