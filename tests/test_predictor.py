@@ -184,3 +184,20 @@ def test_a_killed_writer_leaves_the_old_file_intact(tmp_path):
     proc.wait(timeout=30)
     time.sleep(0.1)
     assert target.read_bytes() == b"old predictor"
+
+
+def test_dataset_leaves_out_what_the_guard_did_not_trust_and_says_how_many():
+    rows = [{"config_id": f"{m}-{b}-{s}", "cfg_model": m, "cfg_input": "mnist",
+             "cfg_input_shape": None, "cfg_batch": b, "cfg_strategy": s, "cfg_device": "cpu",
+             "cfg_dtype": "float32", "cfg_optimizer": "momentum", "outcome": "ok",
+             "step_s_median": 0.01 * b, "peak_bytes_median": 1e6 * b, "vendor": "CPU",
+             "device_name": "synthetic", "trusted": b != 64}
+            for m in ("mlp3", "mlp5") for b in (16, 32, 64, 128) for s in ("none", "sqrt")]
+    summary = pd.DataFrame(rows)
+    data = P.dataset(summary)
+    assert len(data) == 12 and data.attrs["untrusted_left_out"] == 4
+    assert 64 not in set(data["batch"])
+    assert len(P.dataset(summary, untrusted=True)) == 16
+    summary["trusted"] = summary["cfg_batch"] == 16
+    with pytest.raises(ConfigError, match="12 more left out as untrusted"):
+        P.dataset(summary)

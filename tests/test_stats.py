@@ -111,3 +111,21 @@ def test_hodges_lehmann_matches_its_definition():
     x = np.array([1.0, 2.0, 10.0])
     walsh = [1.0, 1.5, 5.5, 2.0, 6.0, 10.0]
     assert hodges_lehmann(x) == np.median(walsh)
+
+
+def test_configurations_the_guard_did_not_trust_are_left_out_and_counted():
+    frame = synthetic.summary({"mlp3": (0.7, 1.3), "vgg16": (0.6, 1.2)})
+    frame["trusted"] = True
+    disturbed = (frame["cfg_strategy"] == "sqrt") & (frame["cfg_batch"] >= 128)
+    frame.loc[disturbed, "step_s_median"] *= 3  # timed beside another job
+    frame.loc[disturbed, "trusted"] = False
+    runs = synthetic.runs(frame)
+    report = analyze(frame, runs, settings=FAST)
+    assert f"{int(disturbed.sum())} configurations left out" in " ".join(report.notes)
+    effects = report.effects.set_index(["architecture", "strategy"])
+    assert effects.loc[("vgg16", "sqrt"), "blocks"] == 3  # the disturbed blocks are gone
+    assert effects.loc[("vgg16", "sqrt"), "time_change"] == pytest.approx(0.2, abs=0.02)
+    everything = analyze(frame, runs, settings=FAST, untrusted=True)
+    polluted = everything.effects.set_index(["architecture", "strategy"])
+    assert polluted.loc[("vgg16", "sqrt"), "time_change"] > 0.5
+    assert not any("left out" in n for n in everything.notes)

@@ -34,7 +34,7 @@ from statsmodels.stats.multitest import multipletests
 
 from rematlab.exceptions import ConfigError
 from rematlab.guard import trusted_only
-from rematlab.units import format_number
+from rematlab.units import markdown_table
 
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
@@ -81,18 +81,8 @@ class StatsReport:
     def to_markdown(self) -> str:
         parts = [f"Blocks analysed: {self.blocks}", *[f"- {n}" for n in self.notes]]
         for name, table in self.tables().items():
-            parts += ["", f"### {name}", "", _markdown(table)]
+            parts += ["", f"### {name}", "", markdown_table(table)]
         return "\n".join(parts) + "\n"
-
-
-def _markdown(df: pd.DataFrame) -> str:
-    if df.empty:
-        return "(none)"
-    cols = list(df.columns)
-    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.iterrows():
-        rows.append("| " + " | ".join(format_number(r[c]) for c in cols) + " |")
-    return "\n".join(rows)
 
 
 def hodges_lehmann(x: np.ndarray) -> float:

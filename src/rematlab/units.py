@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from rematlab.exceptions import ConfigError
 
 
@@ -47,3 +49,17 @@ def parse_bytes(value: str | int | float) -> int:
     if out <= 0:
         raise ConfigError(f"memory size {value!r} must be positive")
     return out
+
+
+def markdown_table(df: pd.DataFrame, index: bool = False) -> str:
+    """A frame as a Markdown table, numbers through `format_number` (with its index as the
+    first column when `index`)."""
+    if df.empty:
+        return "(none)"
+    if index:
+        df = df.reset_index()
+    cols = [str(c) for c in df.columns]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        rows.append("| " + " | ".join(format_number(v) for v in r) + " |")
+    return "\n".join(rows)
