@@ -98,6 +98,12 @@ def test_sweep_stores_rows_and_resumes_without_duplicates(tmp_path):
     assert len(summary) == 12 and (summary["n"] == 2).all()
     assert (summary["peak_bytes_median"] > 0).all()
     assert set(runs["vendor"]) == {"CPU"} and runs["method_peak"].notna().all()
+    # the guard's evidence on every row, a verdict per configuration
+    assert runs["trusted"].notna().all() and (runs["attempts"] >= 2).all()
+    assert runs["calibration_s"].notna().all() and runs["method_guard"].notna().all()
+    assert summary["trusted"].sum() == 12 - first.untrusted
+    sweeps = load(db, "sweeps")
+    assert (sweeps["harness_overhead"] == 1 - sweeps["measured_s"] / sweeps["wall_s"]).all()
 
 
 def test_memory_cap_gives_oom_rows_and_the_sweep_goes_on(tmp_path):

@@ -305,16 +305,22 @@ def sweep_cmd(
                      "outcomes": dict(result.outcomes), "wall_s": result.wall_s,
                      "measured_s": result.measured_s,
                      "harness_overhead": result.harness_overhead,
+                     "untrusted": result.untrusted,
                      "interrupted": result.interrupted, "retried_errors": result.retried,
                      "stale_sweeps_marked_interrupted": result.stale})
     else:
         table = Table(title=f"sweep {spec_grid.name} -> {db}")
-        for col in ("configurations", "skipped (done before)", "ok", "oom", "error", "wall",
-                    "harness overhead"):
+        for col in ("configurations", "skipped (done before)", "ok", "untrusted", "oom",
+                    "error", "wall", "harness overhead"):
             table.add_column(col, justify="right")
         table.add_row(str(result.total), str(result.skipped), str(result.outcomes["ok"]),
-                      str(result.outcomes["oom"]), str(result.outcomes["error"]),
-                      f"{result.wall_s:.1f} s", f"{result.harness_overhead:.1%}")
+                      str(result.untrusted), str(result.outcomes["oom"]),
+                      str(result.outcomes["error"]), f"{result.wall_s:.1f} s",
+                      f"{result.harness_overhead:.1%}")
+        if result.untrusted:
+            console.print(f"{result.untrusted} configuration(s) timed while other processes "
+                          "loaded the machine (the guard's evidence is in each row): "
+                          "analyses leave them out")
         console.print(table)
         if result.retried or result.stale:
             console.print(f"retried {result.retried} configuration(s) stored as error; "

@@ -58,6 +58,7 @@ class SweepResult:
     interrupted: bool = False
     retried: int = 0  # configurations stored as `error` before, run again
     stale: int = 0  # earlier sweeps found `running` (their driver was killed): interrupted
+    untrusted: int = 0  # ok, but timed while the machine was busy (`rematlab.guard`)
 
     @property
     def harness_overhead(self) -> float:
@@ -215,6 +216,7 @@ def sweep(
                                out["rows"], out["measured_s"])
             first = out["rows"][0]
             outcome = first["outcome"]
+            result.untrusted += first.get("trusted") is False
             if first.get("calibration_reference_s"):
                 key = (spec.device, int(first["threads"]))
                 references[key] = min(references.get(key, math.inf),
