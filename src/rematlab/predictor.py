@@ -274,7 +274,7 @@ def make_model(name: str) -> BaseEstimator:
     if name == "sgd":
         return Floored(_config_pipeline(SGDRegressor(max_iter=5000, tol=1e-6, random_state=0)))
     if name == "rf":
-        return Floored(_config_pipeline(RandomForestRegressor(n_estimators=200, n_jobs=-1,
+        return Floored(_config_pipeline(RandomForestRegressor(n_estimators=100, n_jobs=-1,
                                                               random_state=0)))
     if name == "gbr":
         return LogTarget(_analytic_pipeline())
