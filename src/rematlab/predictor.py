@@ -185,7 +185,7 @@ def _analytic_pipeline() -> Pipeline:
                              ("cat", OneHotEncoder(handle_unknown="ignore"),
                               ["strategy_kind", "dtype", "optimizer"])])
     return Pipeline([("pre", pre), ("model", HistGradientBoostingRegressor(
-        max_iter=300, learning_rate=0.05, min_samples_leaf=5, random_state=0))])
+        max_iter=150, learning_rate=0.1, min_samples_leaf=5, random_state=0))])
 
 
 ROOFLINE = ["conv_flops_s", "mm_flops_s", "bytes_s", "ops"]
@@ -372,10 +372,10 @@ class Predictor:
                 err = float(mean_absolute_percentage_error(y, pred))
                 if best is None or err < best[1]:
                     best = (name, err, pred)
-            name, _, oof = best
+            name, _, chosen = best
             self.names_[target] = name
-            self.oof_[target] = oof
-            self.half_width_[target] = float(np.quantile(np.abs(np.log(oof / y)),
+            self.oof_[target] = chosen
+            self.half_width_[target] = float(np.quantile(np.abs(np.log(chosen / y)),
                                                          self.coverage))
             self.fitted_[target] = make_model(name).fit(data, y)
         return self

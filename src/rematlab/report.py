@@ -23,7 +23,7 @@ import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from rematlab.files import write_bytes, write_text
-from rematlab.units import format_number
+from rematlab.units import format_number, percent_columns
 
 STUDY_R2 = {"time": 0.8594, "memory": 0.8330}  # the original study, random 80/20 split
 
@@ -241,16 +241,6 @@ def limitations(res: StudyResults) -> list[str]:
     return out
 
 
-def _percent(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """Fractions shown as percentages ('58.5 %'), the unit readers take such columns in."""
-    out = df.copy()
-    for c in columns:
-        if c in out.columns:
-            out[c] = [f"{100 * v:.1f} %" if isinstance(v, (int, float)) and math.isfinite(v)
-                      else "" for v in out[c]]
-    return out
-
-
 def _table(records: list[dict] | pd.DataFrame, columns: list[str] | None = None) -> dict:
     df = pd.DataFrame(records)
     if columns:
@@ -335,13 +325,13 @@ def context(res: StudyResults) -> dict:
         "configurations": len(res.summary),
         "sweep": res.sweep,
         "figures": figures,
-        "evaluation": _table(_percent(res.evaluation, ["mape", "p90_ape"]))
+        "evaluation": _table(percent_columns(res.evaluation, ["mape", "p90_ape"]))
         if not res.evaluation.empty else None,
         "r2": [{"target": t, "study": STUDY_R2[t], "ours": ours.get(t)} for t in STUDY_R2],
         "predictor_models": res.predictor_models,
         "claims": _table(res.stats.get("claims", []),
                          ["claim", "test", "blocks", "p", "effect", "verdict"]),
-        "guidelines": _table(_percent(pd.DataFrame(res.stats.get("guidelines", [])),
+        "guidelines": _table(percent_columns(pd.DataFrame(res.stats.get("guidelines", [])),
                                       ["memory saving", "time overhead"])),
         "effects": _table(res.stats.get("effects", []),
                           ["architecture", "strategy", "blocks", "summary", "memory_p",

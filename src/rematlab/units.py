@@ -63,3 +63,13 @@ def markdown_table(df: pd.DataFrame, index: bool = False) -> str:
     for _, r in df.iterrows():
         rows.append("| " + " | ".join(format_number(v) for v in r) + " |")
     return "\n".join(rows)
+
+
+def percent_columns(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Fractions shown as percentages ('58.5 %'), the unit readers take such columns in."""
+    out = df.copy()
+    for c in columns:
+        if c in out.columns:
+            out[c] = [f"{100 * v:.1f} %" if isinstance(v, (int, float)) and math.isfinite(v)
+                      else "" for v in out[c]]
+    return out
