@@ -53,7 +53,8 @@ def test_every_model_keeps_the_estimator_contract_and_survives_a_skops_round_tri
     untrusted = set(sio.get_untrusted_types(file=str(tmp_path / "m.skops")))
     assert untrusted <= P.SAVED_TYPES  # the exact list covers everything fit can write
     loaded = sio.load(str(tmp_path / "m.skops"), trusted=list(untrusted))["m"]
-    np.testing.assert_array_equal(loaded.predict(data), before)
+    # a forest on all cores sums its trees in whatever order they finish
+    np.testing.assert_allclose(loaded.predict(data), before, rtol=1e-12)
 
 
 def test_the_corrected_models_learn_a_planted_correction():
