@@ -255,6 +255,7 @@ def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps
 @pytest.mark.parametrize(("model", "outcome", "needle"), [
     ("tests.userzoo:killed_by_the_kernel", "oom", "worker died"),
     ("tests.userzoo:slow", "error", "timeout after 3 s"),
+    ("tests.userzoo:exits", "error", "SystemExit"),
     ("tests.userzoo:tiny", "ok", None),
 ])
 def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, outcome, needle):

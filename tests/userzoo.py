@@ -112,3 +112,9 @@ def slow() -> nn.Module:
 
     time.sleep(60)
     return tiny()
+
+
+def exits():
+    """A factory that ends its process's interpreter (not an Exception a measurement records):
+    the worker reports it and the sweep records an error, not an OOM."""
+    raise SystemExit(3)

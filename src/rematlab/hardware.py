@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import zoo
-from rematlab.measure import Spec
+from rematlab.measure import MIN_REPEAT_SECONDS, Spec
 
 DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
                 "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
@@ -34,7 +34,6 @@ def estimate_seconds(specs: list[Spec]) -> float:
     """A rough duration: FLOPs of a step from a meta-device trace at an assumed throughput
     (`hardware.device_peaks`), times the untimed steps a measurement runs, plus its repeats
     of at least `MIN_REPEAT_SECONDS`, plus a fifth of a second of set-up per configuration."""
-    from rematlab.measure import MIN_REPEAT_SECONDS
 
     cache: dict[tuple, float] = {}
     total = 0.0

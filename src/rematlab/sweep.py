@@ -136,17 +136,18 @@ class Worker:
         by SIGKILL, the kernel's OOM killer, an `oom` row) and ends the worker."""
         if self.proc is None:
             self._start()
+        hung = False
         try:
             self.conn.send((spec.to_dict(), reference))
             if self.conn.poll(timeout):
                 result = self.conn.recv()
             else:
-                result = {"crash": f"timeout after {timeout:g} s"}
+                result, hung = {"crash": f"timeout after {timeout:g} s"}, True
         except (EOFError, BrokenPipeError):
             result = {"crash": "worker died (killed or crashed)"}
         if "crash" not in result:
             return result
-        code = self.close(kill=True)
+        code = self.close(kill=hung)  # only a hung worker is killed: its code says nothing
         message = result["crash"] + (f" (exit code {code})" if code not in (0, None) else "")
         outcome = "oom" if code == -signal.SIGKILL and "timeout" not in message else "error"
         return {"rows": [failed_row(spec, outcome, message)], "measured_s": 0.0}
