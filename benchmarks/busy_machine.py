@@ -23,10 +23,10 @@ from pathlib import Path
 import pandas as pd
 
 from rematlab.grid import load_grid
-from rematlab.guard import trusted_only
+from rematlab.guard import remeasured, trusted_only
 from rematlab.predictor import fit_and_evaluate
 from rematlab.stats import analyze
-from rematlab.store import load
+from rematlab.store import harness_overhead, load
 from rematlab.study import grid_caps
 from rematlab.sweep import sweep
 from rematlab.units import markdown_table
@@ -66,9 +66,10 @@ def outcome(db: Path, untrusted: bool) -> dict:
     return {"verdicts": stats.claims.set_index("claim")["verdict"],
             "configurations": len(summary), "ok": len(ok),
             "left out": trusted_only(summary)[1] if not untrusted else 0,
-            "re-measured repeats": int((ok["attempts"] - ok["n"]).clip(lower=0).sum()),
+            "re-measured repeats": remeasured(summary),
             "wall (s)": float(sweeps["wall_s"].sum()),
-            "harness overhead": 1 - float(sweeps["measured_s"].sum() / sweeps["wall_s"].sum()),
+            "harness overhead": harness_overhead(float(sweeps["measured_s"].sum()),
+                                                 float(sweeps["wall_s"].sum())),
             "time MAPE (best, random 80/20)": f"{best['mape']:.2%} ({best['model']})",
             "fitted on": len(data)}
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import pandas as pd
 
 from rematlab.grid import load_grid
-from rematlab.guard import trusted_only
+from rematlab.guard import remeasured, trusted_only
 from rematlab.predictor import fit_and_evaluate
 from rematlab.report import STUDY_R2
 from rematlab.stats import analyze
-from rematlab.store import config_id, load
+from rematlab.store import config_id, harness_overhead, load
 from rematlab.study import grid_caps
 from rematlab.units import markdown_table, percent_columns
 
@@ -49,10 +49,10 @@ def sweep_section(db: Path, grid: str) -> list[str]:
         + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + ".", "",
         f"Wall time {wall / 3600:.2f} h over {len(sweeps)} sitting(s), of which "
         f"{measured / 3600:.2f} h inside measured steps: harness overhead "
-        f"{1 - measured / wall:.1%}.", "",
+        f"{harness_overhead(measured, wall):.1%}.", "",
         markdown_table(sittings), "",
         "The interference guard: "
-        f"{int((ok['attempts'] - ok['n']).clip(lower=0).sum())} repeats measured again, "
+        f"{remeasured(summary)} repeats measured again, "
         f"{trusted_only(summary)[1]} configurations not trusted (left out of the analyses "
         f"below), median foreign load {ok['foreign_load'].median():.1%}, median repeat "
         f"spread (IQR / median) {ok['step_spread'].median():.1%}.", ""]

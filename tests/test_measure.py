@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from rematlab import Spec, apply, measure, zoo
 from rematlab.exceptions import ConfigError
-from rematlab.guard import Guard
+from rematlab.guard import POLL_S, Guard
 from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, Span
 from rematlab.steps import make_optimizer
 
@@ -121,22 +121,55 @@ def test_guard_remeasures_timings_disturbed_by_another_job_and_keeps_the_quiet_o
 def test_guard_flags_timings_that_stay_disturbed_after_its_retries():
     clock = BusyClock(0.002, slowdown=3.0)
     waits = []
-    guard = Guard(reference=0.002, sleep=waits.append, host=QuietHost())
+    # another process holds 60 % of our CPUs throughout
+    guard = Guard(reference=0.002, sleep=waits.append, host=QuietHost(loads=[0.6]))
     obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=clock, memory=FakeMemory,
                   guard=guard)
     assert obs.outcome == "ok" and not obs.evidence.trusted
-    # bounded (two re-measurements per repeat), backing off
-    assert obs.evidence.attempts == 3 + 6 and waits == [1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    # bounded (two re-measurements per repeat), each after watching the host in POLL_S
+    # windows for the back-off: 1, 2, then 4 s
+    assert obs.evidence.attempts == 3 + 6
+    assert set(waits) == {POLL_S} and sum(waits) == pytest.approx(1 + 2 + 4 * 4)
     assert obs.evidence.drift == pytest.approx(2.0)
     assert not any(r["trusted"] for r in obs.rows())
 
 
 def test_guard_flags_cpu_time_taken_by_other_processes():
-    host = QuietHost(loads=[0.6, 0.6, 0.02])  # another process had 60% of our CPUs, then left
+    # another process had 60 % of our CPUs while the first repeat ran and during the first
+    # window the guard watched, then left
+    host = QuietHost(loads=[0.6, 0.6, 0.02])
+    waits = []
     obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=ConstantClock(0.002),
-                  memory=FakeMemory, guard=Guard(host=host, sleep=lambda s: None))
-    assert obs.evidence.attempts == 5 and obs.evidence.trusted
+                  memory=FakeMemory, guard=Guard(host=host, sleep=waits.append))
+    assert obs.evidence.attempts == 4 and obs.evidence.trusted
     assert obs.evidence.load == pytest.approx(0.02)
+    assert waits == [POLL_S, POLL_S]  # it went on as soon as a window was quiet
+
+
+def test_wait_quiet_watches_until_quiet_within_its_limit():
+    waits = []
+    assert Guard(host=QuietHost(loads=[0.9, 0.9, 0.0]), sleep=waits.append).wait_quiet(2.0)
+    assert waits == [POLL_S] * 3
+    waits.clear()
+    assert not Guard(host=QuietHost(loads=[0.9]), sleep=waits.append).wait_quiet(2.0)
+    assert waits == [POLL_S] * 8  # 2 s of windows, never quiet
+
+
+def test_wait_quiet_waits_out_its_limit_where_the_host_cannot_be_read():
+    waits = []
+    assert not Guard(host=QuietHost(loads=[None]), sleep=waits.append).wait_quiet(3.0)
+    assert sum(waits) == pytest.approx(3.0)
+
+
+def test_a_settling_guard_waits_for_quiet_before_timing():
+    waits = []
+    clock = BusyClock(0.002, slowdown=3.0)  # busy until the guard first waits
+    guard = Guard(reference=0.002, settle_s=30.0, host=QuietHost(loads=[0.0]),
+                  sleep=lambda s: (waits.append(s), clock.quiet(s)))
+    obs = measure(Spec(model="mlp3", batch=8, repeats=3), clock=clock, memory=FakeMemory,
+                  guard=guard)
+    assert waits == [POLL_S]  # one quiet window, then the repeats
+    assert obs.evidence.attempts == 3 and obs.evidence.trusted
 
 
 def test_guard_measures_the_outlier_of_a_wide_set_again():

@@ -195,12 +195,16 @@ def test_old_schema_is_migrated_forward_without_losing_rows(tmp_path):
         con.execute(statement)
     con.execute("INSERT INTO meta VALUES ('schema_version', '1')")
     con.execute("INSERT INTO runs (config_id, repeat, outcome) VALUES ('abc', 0, 'ok')")
+    con.execute("INSERT INTO sweeps (sweep_id, wall_s, measured_s, status) VALUES "
+                "('s1', 10.0, 8.0, 'complete')")
     con.close()
     with Store(db) as store:
         assert store.schema_version() == SCHEMA_VERSION
         rows = store.con.execute("SELECT config_id, reserved_bytes, trusted FROM runs"
                                  ).fetchall()
+        overhead = store.con.execute("SELECT harness_overhead FROM sweeps").fetchone()[0]
     assert rows == [("abc", None, None)]
+    assert overhead == pytest.approx(0.2)  # filled in for sweeps from before the column
     summary = load(db, "config_summary")
     kept, dropped = trusted_only(summary)  # rows from before the guard carry no evidence
     assert len(kept) == 1 and dropped == 0
@@ -289,3 +293,69 @@ def test_a_warm_worker_measures_configurations_in_turn_and_is_replaced_after_a_d
         assert worker.proc.pid != pid
     finally:
         worker.close()
+
+
+TWO = """
+name = "two"
+batches = [4]
+strategies = ["none", "sqrt"]
+repeats = 2
+[[models]]
+name = "mlp3"
+"""
+
+
+def _attempts(monkeypatch, trusted: dict[tuple[str, bool], bool]) -> list:
+    """Make the warm worker's results come out trusted or not, by strategy and by whether
+    the attempt is a second one (settle_s > 0); returns the log of (strategy, settle_s)."""
+    from rematlab.measure import run_config
+    from rematlab.sweep import Worker
+
+    calls = []
+
+    def run(self, spec, timeout, reference=None, settle_s=0.0):
+        calls.append((spec.strategy, settle_s))
+        out = run_config(spec.to_dict())
+        verdict = trusted[(spec.strategy, settle_s > 0)]
+        for row in out["rows"]:
+            row["trusted"], row["attempts"] = verdict, len(calls)
+        return out
+
+    monkeypatch.setattr(Worker, "run", run)
+    return calls
+
+
+def test_untrusted_configurations_are_measured_again_at_the_end_and_replaced_if_trusted(
+        tmp_path, monkeypatch):
+    from rematlab.sweep import SETTLE_S
+
+    grid = load_grid(_grid(tmp_path, body=TWO))
+    db = tmp_path / "r.duckdb"
+    calls = _attempts(monkeypatch, {("none", False): True, ("sqrt", False): False,
+                                    ("sqrt", True): True})
+    result = sweep(grid, db)
+    # the busy configuration once more, last, after waiting for a quiet host
+    assert calls == [("none", 0.0), ("sqrt", 0.0), ("sqrt", SETTLE_S)]
+    assert result.remeasured == 1 and result.settled == 1 and result.untrusted == 0
+    runs = load(db)
+    assert len(runs) == 4 and runs["trusted"].all()  # the first attempt's rows are replaced
+    assert set(runs.loc[runs["cfg_strategy"] == "sqrt", "attempts"]) == {3}
+    assert result.outcomes["ok"] == 2
+
+
+def test_a_second_attempt_still_untrusted_keeps_the_first_and_a_rerun_tries_again(
+        tmp_path, monkeypatch):
+    grid = load_grid(_grid(tmp_path, body=TWO))
+    db = tmp_path / "r.duckdb"
+    calls = _attempts(monkeypatch, {("none", False): True, ("sqrt", False): False,
+                                    ("sqrt", True): False})
+    result = sweep(grid, db)
+    assert result.remeasured == 1 and result.settled == 0 and result.untrusted == 1
+    runs = load(db)
+    sqrt = runs[runs["cfg_strategy"] == "sqrt"]
+    assert len(sqrt) == 2 and set(sqrt["attempts"]) == {2} and not sqrt["trusted"].any()
+    again = sweep(grid, db)  # nothing left to run, but the untrusted one gets another try
+    assert again.skipped == 2 and len(again) == 0
+    assert again.remeasured == 1 and calls[-1][0] == "sqrt" and len(calls) == 4
+    off = sweep(grid, db, remeasure=False)
+    assert off.remeasured == 0 and len(calls) == 4 and off.untrusted == 1

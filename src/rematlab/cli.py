@@ -305,7 +305,8 @@ def sweep_cmd(
                      "outcomes": dict(result.outcomes), "wall_s": result.wall_s,
                      "measured_s": result.measured_s,
                      "harness_overhead": result.harness_overhead,
-                     "untrusted": result.untrusted,
+                     "untrusted": result.untrusted, "remeasured": result.remeasured,
+                     "remeasured_trusted": result.settled,
                      "interrupted": result.interrupted, "retried_errors": result.retried,
                      "stale_sweeps_marked_interrupted": result.stale})
     else:
@@ -317,10 +318,15 @@ def sweep_cmd(
                       str(result.untrusted), str(result.outcomes["oom"]),
                       str(result.outcomes["error"]), f"{result.wall_s:.1f} s",
                       f"{result.harness_overhead:.1%}")
+        if result.remeasured:
+            console.print(f"{result.remeasured} configuration(s) timed while the machine was "
+                          f"busy were measured again once it was quiet: {result.settled} "
+                          "trusted the second time")
         if result.untrusted:
             console.print(f"{result.untrusted} configuration(s) timed while other processes "
                           "loaded the machine (the guard's evidence is in each row): "
-                          "analyses leave them out")
+                          "analyses leave them out; running the sweep again re-measures "
+                          "them")
         console.print(table)
         if result.retried or result.stale:
             console.print(f"retried {result.retried} configuration(s) stored as error; "

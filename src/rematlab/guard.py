@@ -15,7 +15,11 @@ configuration. Three signals say it, each cheap:
 Each repeat carries its own load and calibration, so the guard judges repeats, not whole
 measurements: a disturbed repeat is measured again after a back-off (a busy spell of a few
 seconds passes), and a set whose spread is too wide has its outlier measured again, within a
-budget of `retries` re-measurements per repeat. It hands back the evidence — repeats run,
+budget of `retries` re-measurements per repeat. Waiting is watching: the guard polls the
+host until a short window is quiet (`wait_quiet`), up to the back-off, so a passing spell
+costs a fraction of a second and a long one no more than the back-off. A configuration
+still untrusted at the end of a sweep is measured once more after a longer wait for quiet
+(`settle_s`, see `rematlab.sweep`). It hands back the evidence — repeats run,
 drift, spread, load, trusted — that the dataset stores with every row. Analyses use trusted
 rows only and say how many they left out (`trusted_only`).
 """
@@ -41,6 +45,7 @@ LOAD = 0.15  # other processes took more than this share of our CPUs' time: dist
 NOISY = 0.10  # step-time IQR / median above this: too noisy to conclude from
 RETRIES = 2
 BACKOFF_S = 1.0
+POLL_S = 0.25  # the window in which the host must be quiet before a repeat is run again
 
 
 class HostLoad:
@@ -153,6 +158,7 @@ class Guard:
     retries: int = RETRIES
     backoff_s: float = BACKOFF_S
     reference: float | None = None
+    settle_s: float = 0.0  # wait up to this long for a quiet host before the first repeat
     sleep: Callable[[float], None] = time.sleep
     host: Callable[[], HostLoad] = HostLoad
 
@@ -162,8 +168,26 @@ class Guard:
                 f"({CALIBRATION_PRODUCTS} products of {CALIBRATION_SIZE}x{CALIBRATION_SIZE} "
                 f"fp32 matrices) ran > {self.drift:.0%} slower than the fastest seen on this "
                 f"device and thread count; a disturbed repeat, or the outlier of a set whose "
-                f"IQR exceeds {self.noisy:.0%} of the median, is measured again after a "
-                f"back-off from {self.backoff_s:g} s, at most {self.retries} times per repeat")
+                f"IQR exceeds {self.noisy:.0%} of the median, is measured again once a "
+                f"{POLL_S:g} s window of the host is quiet (waiting at most {self.backoff_s:g} "
+                f"s, doubling to {4 * self.backoff_s:g} s), at most {self.retries} times per "
+                f"repeat")
+
+    def wait_quiet(self, limit_s: float) -> bool:
+        """Watch the host in `POLL_S` windows until one shows other processes below the
+        load threshold, for at most `limit_s`: whether it became quiet. Without `/proc`
+        there is nothing to watch, and the guard simply waits `limit_s`."""
+        for _ in range(max(1, math.ceil(limit_s / POLL_S))):
+            host = self.host()
+            host.start()
+            self.sleep(POLL_S)
+            load = host.stop()
+            if load is None:
+                self.sleep(max(0.0, limit_s - POLL_S))
+                return False
+            if load <= self.load:
+                return True
+        return False
 
     def disturbed(self, sample: Sample, reference: float) -> bool:
         return sample.drift(reference) > self.drift or (
@@ -180,6 +204,8 @@ class Guard:
         kept: list[Sample] = []
         measured: list[Sample] = []
         redone = 0
+        if self.settle_s > 0:
+            self.wait_quiet(self.settle_s)
         while True:
             while len(kept) < repeats:
                 host = self.host()
@@ -190,7 +216,7 @@ class Guard:
                 reference = self._reference(key, sample.calibration)
                 if self.disturbed(sample, reference) and redone < budget:
                     redone += 1
-                    self.sleep(self.backoff_s * 2 ** min(redone - 1, 2))
+                    self.wait_quiet(self.backoff_s * 2 ** min(redone - 1, 2))
                     continue
                 kept.append(sample)
             if spread(kept) <= self.noisy or redone >= budget:
@@ -227,3 +253,10 @@ def trusted_only(summary: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     trusted = summary["trusted"].astype("boolean").fillna(True).astype(bool)
     untrusted = (summary["outcome"] == "ok") & ~trusted
     return summary[~untrusted].reset_index(drop=True), int(untrusted.sum())
+
+
+def remeasured(summary: pd.DataFrame) -> int:
+    """How many timed repeats the guard measured again over the `ok` configurations of a
+    summary: attempts beyond the repeats kept."""
+    ok = summary[summary["outcome"] == "ok"]
+    return int((ok["attempts"] - ok["n"]).clip(lower=0).sum())

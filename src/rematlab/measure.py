@@ -500,7 +500,8 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
     setup = None
     try:
         setup = _Setup(spec, device, clock)
-        runs_on(setup.model, setup.run, setup.batch, spec.model)
+        if not _zoo_input(spec):  # a zoo model's own input always fits it
+            runs_on(setup.model, setup.run, setup.batch, spec.model)
         if spec.max_memory is not None:
             _Tracked(setup, memory(device, spec.max_memory), spec.max_memory).run(clock)
         counted = _COUNTED.get(_count_key(spec))
@@ -534,6 +535,11 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
     return obs
 
 
+def _zoo_input(spec: Spec) -> bool:
+    """A zoo model on the batch the zoo makes for it: nothing a user gave can mismatch."""
+    return spec.model in zoo.REGISTRY and spec.input_shape is None and spec.example is None
+
+
 def _figures(s: _Setup) -> dict[str, float]:
     params = [p for p in s.model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -549,13 +555,15 @@ def _figures(s: _Setup) -> dict[str, float]:
     }
 
 
-def run_config(spec_dict: dict, reference: float | None = None) -> dict:
+def run_config(spec_dict: dict, reference: float | None = None, settle_s: float = 0.0
+               ) -> dict:
     """Measure one configuration in whatever process calls this (a sweep's worker process, a
     Ray task) -> its rows and measured seconds; a bad spec is a recorded `error` row.
-    `reference`: the quietest calibration the sweep has seen on this device (seconds)."""
+    `reference`: the quietest calibration the sweep has seen on this device (seconds);
+    `settle_s`: how long to wait for a quiet host before timing (a second attempt)."""
     spec = Spec.from_dict(spec_dict)
     try:
-        obs = measure(spec, guard=Guard(reference=reference))
+        obs = measure(spec, guard=Guard(reference=reference, settle_s=settle_s))
     except ConfigError as exc:
         return {"rows": [failed_row(spec, "error", str(exc))], "measured_s": 0.0}
     return {"rows": obs.rows(), "measured_s": obs.measured_seconds}

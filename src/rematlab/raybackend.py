@@ -17,7 +17,7 @@ from rematlab.measure import Spec, failed_row, run_config
 
 
 def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
-               address: str | None = None) -> None:
+               address: str | None = None, settle_s: float = 0.0) -> None:
     try:
         import ray
     except ImportError:
@@ -37,7 +37,7 @@ def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict],
                 options = {"num_gpus": 1, "num_cpus": 1}
             else:
                 options = {"num_cpus": min(spec.threads or node_cpus, node_cpus)}
-            pending[remote.options(**options).remote(spec.to_dict())] = spec
+            pending[remote.options(**options).remote(spec.to_dict(), None, settle_s)] = spec
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
             if not ready:  # nothing finished within a timeout: cancel the oldest

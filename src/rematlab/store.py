@@ -83,8 +83,15 @@ MIGRATIONS: dict[int, list[str]] = {
     # v3: the interference guard's evidence per row; the harness overhead of each sweep.
     # Rows from before it keep NULL evidence: analyses keep them (`guard.trusted_only`).
     2: [*(f"ALTER TABLE runs ADD COLUMN {k} {RUN_COLUMNS[k]}" for k in GUARD_COLUMNS),
-        "ALTER TABLE sweeps ADD COLUMN harness_overhead DOUBLE"],
+        "ALTER TABLE sweeps ADD COLUMN harness_overhead DOUBLE",
+        "UPDATE sweeps SET harness_overhead = 1 - measured_s / wall_s WHERE wall_s > 0"],
 }
+
+
+def harness_overhead(measured_s: float, wall_s: float) -> float | None:
+    """The share of a sweep's wall time spent outside measured steps (`None` before any
+    wall time has passed)."""
+    return 1.0 - measured_s / wall_s if wall_s > 0 else None
 
 
 def config_id(spec_dict: dict[str, Any]) -> str:
@@ -204,6 +211,12 @@ class Store:
         return {r[0] for r in self.con.execute(
             "SELECT config_id FROM configs WHERE outcome <> 'error'").fetchall()}
 
+    def untrusted(self) -> set[str]:
+        """Configurations measured `ok` whose timings the guard did not trust."""
+        return {r[0] for r in self.con.execute(
+            "SELECT DISTINCT config_id FROM runs WHERE outcome = 'ok' AND trusted = false"
+        ).fetchall()}
+
     def failed(self) -> set[str]:
         """Configurations whose stored outcome is `error`."""
         return {r[0] for r in self.con.execute(
@@ -249,7 +262,7 @@ class Store:
     def finish_sweep(self, sweep_id: str, wall_s: float, measured_s: float, status: str) -> None:
         """Close a sweep's row: its wall time, the time inside measured steps, and the
         harness overhead (the share of wall time outside them)."""
-        overhead = 1.0 - measured_s / wall_s if wall_s > 0 else None
+        overhead = harness_overhead(measured_s, wall_s)
         self.con.execute("UPDATE sweeps SET finished_at = now(), wall_s = ?, measured_s = ?, "
                          "status = ?, harness_overhead = ? WHERE sweep_id = ?",
                          [wall_s, measured_s, status, overhead, sweep_id])

@@ -11,8 +11,12 @@ peak statistics owe nothing to the previous configuration. Configurations alread
 database with a result (`ok` or `oom`) are skipped, so re-running a grid resumes it; those
 stored as `error` (a failure to measure, not a result) are run again. The fastest
 calibration stored for this host seeds the interference guard (`rematlab.guard`) of a
-resumed sweep. The Ray backend (`rematlab.raybackend`) runs the same worker function as Ray
-tasks.
+resumed sweep. A configuration the guard did not trust (timed while the machine was busy)
+is measured once more at the end of the sweep, after waiting up to `SETTLE_S` for a quiet
+host, and its rows are replaced when that attempt is trusted: a busy spell in the middle of
+a long sweep costs its configurations a second try, not their place in the analyses.
+Running the grid again gives every configuration still untrusted one more try. The Ray
+backend (`rematlab.raybackend`) runs the same worker function as Ray tasks.
 
 Design note — why one at a time: two measurements sharing a device (or the CPU's cores)
 slow each other down unpredictably, so the local backend never overlaps them, and the Ray
@@ -40,9 +44,10 @@ import torch
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
 from rematlab.measure import Spec, available, failed_row, parse_device, run_config
-from rematlab.store import Store, config_id
+from rematlab.store import Store, config_id, harness_overhead
 
 ProgressFn = Callable[[Spec, str, int, int], None]  # spec, outcome, done, total
+SETTLE_S = 30.0  # the second attempt at an untrusted configuration waits this long for quiet
 
 
 @dataclass
@@ -59,11 +64,13 @@ class SweepResult:
     retried: int = 0  # configurations stored as `error` before, run again
     stale: int = 0  # earlier sweeps found `running` (their driver was killed): interrupted
     untrusted: int = 0  # ok, but timed while the machine was busy (`rematlab.guard`)
+    remeasured: int = 0  # untrusted configurations measured a second time
+    settled: int = 0  # of which the second attempt was trusted (and replaced the first)
 
     @property
     def harness_overhead(self) -> float:
         """Fraction of wall time not spent inside measured steps."""
-        return 1.0 - self.measured_s / self.wall_s if self.wall_s else 0.0
+        return harness_overhead(self.measured_s, self.wall_s) or 0.0
 
     def __len__(self) -> int:
         return sum(self.outcomes.values())
@@ -131,14 +138,15 @@ class Worker:
         self.proc.start()
         child.close()
 
-    def run(self, spec: Spec, timeout: float, reference: float | None = None) -> dict:
+    def run(self, spec: Spec, timeout: float, reference: float | None = None,
+            settle_s: float = 0.0) -> dict:
         """`run_config` in the worker; a timeout or a crash becomes an `error` row (a death
         by SIGKILL, the kernel's OOM killer, an `oom` row) and ends the worker."""
         if self.proc is None:
             self._start()
         hung = False
         try:
-            self.conn.send((spec.to_dict(), reference))
+            self.conn.send((spec.to_dict(), reference, settle_s))
             if self.conn.poll(timeout):
                 result = self.conn.recv()
             else:
@@ -168,11 +176,12 @@ class Worker:
         return proc.exitcode
 
 
-def run_isolated(spec: Spec, timeout: float, reference: float | None = None) -> dict:
+def run_isolated(spec: Spec, timeout: float, reference: float | None = None,
+                 settle_s: float = 0.0) -> dict:
     """`run_config` in a fresh worker of its own, stopped afterwards."""
     worker = Worker()
     try:
-        return worker.run(spec, timeout, reference)
+        return worker.run(spec, timeout, reference, settle_s)
     finally:
         worker.close()
 
@@ -190,9 +199,11 @@ def sweep(
     ray_address: str | None = None,
     progress: ProgressFn | None = None,
     grid_label: str | None = None,
+    remeasure: bool = True,
 ) -> SweepResult:
-    """Run every configuration of `grid` not yet in `db`. Interrupting it (Ctrl-C, SIGTERM)
-    keeps everything finished so far; running it again resumes."""
+    """Run every configuration of `grid` not yet in `db`, then (`remeasure`) once more
+    each one the guard did not trust. Interrupting it (Ctrl-C, SIGTERM) keeps everything
+    finished so far; running it again resumes."""
     if backend not in ("local", "ray"):
         raise ConfigError(f"unknown backend {backend!r}; choose local or ray")
     specs = grid.expand()
@@ -215,17 +226,37 @@ def sweep(
         def record(spec: Spec, out: dict) -> None:
             store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
                                out["rows"], out["measured_s"])
-            first = out["rows"][0]
-            outcome = first["outcome"]
-            result.untrusted += first.get("trusted") is False
-            if first.get("calibration_reference_s"):
-                key = (spec.device, int(first["threads"]))
-                references[key] = min(references.get(key, math.inf),
-                                      first["calibration_reference_s"])
+            outcome = out["rows"][0]["outcome"]
+            note_reference(spec, out)
             result.outcomes[outcome] += 1
             result.measured_s += out["measured_s"]
             if progress:
                 progress(spec, outcome, result.skipped + len(result), result.total)
+
+        def record_again(spec: Spec, out: dict) -> None:
+            """A second attempt replaces the first only when the guard trusted it."""
+            result.remeasured += 1
+            result.measured_s += out["measured_s"]
+            note_reference(spec, out)
+            trusted = out["rows"][0].get("trusted") is True
+            if trusted:
+                store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
+                                   out["rows"], out["measured_s"])
+                result.settled += 1
+            if progress:
+                progress(spec, "re-measured, trusted" if trusted else "still untrusted",
+                         result.total, result.total)
+
+        def note_reference(spec: Spec, out: dict) -> None:
+            first = out["rows"][0]
+            if first.get("calibration_reference_s"):
+                key = (spec.device, int(first["threads"]))
+                references[key] = min(references.get(key, math.inf),
+                                      first["calibration_reference_s"])
+
+        def untrusted() -> list[Spec]:
+            ids = store.untrusted()
+            return [s for s in specs if config_id(s.to_dict()) in ids]
 
         # Ctrl-C and SIGTERM stop the sweep cleanly even where a shell started it with
         # SIGINT ignored (background jobs, batch schedulers).
@@ -233,22 +264,10 @@ def sweep(
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         status = "failed"
         try:
-            if backend == "local":
-                warm = Worker()
-                try:
-                    for spec in todo:
-                        reference = references.get((spec.device, spec.threads or
-                                                    torch.get_num_threads()))
-                        if spec.device.startswith("cuda"):
-                            record(spec, run_isolated(spec, grid.timeout, reference))
-                        else:
-                            record(spec, warm.run(spec, grid.timeout, reference))
-                finally:
-                    warm.close()
-            else:
-                from rematlab.raybackend import run_on_ray
-
-                run_on_ray(todo, grid.timeout, record, address=ray_address)
+            run(todo, grid.timeout, record, 0.0, references, backend, ray_address)
+            if remeasure:
+                run(untrusted(), grid.timeout, record_again, SETTLE_S, references, backend,
+                    ray_address)
             status = "complete"
         except KeyboardInterrupt:
             result.interrupted = True
@@ -258,9 +277,31 @@ def sweep(
                 signal.signal(sig, handler)
             result.wall_s = time.perf_counter() - start
             store.finish_sweep(sweep_id, result.wall_s, result.measured_s, status)
+            result.untrusted = len(untrusted())
     finally:
         store.close()
     return result
+
+
+def run(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
+        settle_s: float, references: dict[tuple[str, int], float], backend: str,
+        ray_address: str | None) -> None:
+    """Measure `specs` one at a time on `backend`, handing each result to `record`."""
+    if backend == "ray":
+        from rematlab.raybackend import run_on_ray
+
+        run_on_ray(specs, timeout, record, address=ray_address, settle_s=settle_s)
+        return
+    warm = Worker()
+    try:
+        for spec in specs:
+            reference = references.get((spec.device, spec.threads or torch.get_num_threads()))
+            if spec.device.startswith("cuda"):
+                record(spec, run_isolated(spec, timeout, reference, settle_s))
+            else:
+                record(spec, warm.run(spec, timeout, reference, settle_s))
+    finally:
+        warm.close()
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
