@@ -17,8 +17,10 @@ optimizer step, on synthetic data. The steps, in order:
    each phase (CUDA events on GPU), nothing else on. A disturbed repeat is measured again, a
    bounded number of times; the evidence goes into every row.
 
-Counting and tracking happen in steps of their own: the FLOP counter holds tensors a little
-longer (inflating a peak) and the CPU tracker's per-op bookkeeping would inflate the times.
+Counting and tracking happen in steps of their own: counting recomputation keeps recomputed
+tensors alive longer (a tracked step that also counted peaked 4-50 % higher under remat, see
+docs/design.md) and the CPU tracker's per-op bookkeeping would inflate the times. The two
+untimed steps are the warm-up's first two.
 Out-of-memory — real, or past the `max_memory` cap that emulates a smaller device — is an
 outcome, `oom`, not a crash.
 """
