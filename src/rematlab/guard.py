@@ -13,14 +13,14 @@ configuration. Three signals say it, each cheap:
 - *spread*: the step times' IQR over their median.
 
 Each repeat carries its own load and calibration, so the guard judges repeats, not whole
-measurements: a disturbed repeat is measured again after a back-off (a busy spell of a few
-seconds passes), and a set whose spread is too wide has its outlier measured again, within a
-budget of `retries` re-measurements per repeat. Waiting is watching: the guard polls the
-host until a short window is quiet (`wait_quiet`), up to the back-off, so a passing spell
-costs a fraction of a second and a long one no more than the back-off. A configuration
+measurements: a disturbed repeat is measured again once the host is quiet, and a set whose
+spread is too wide has its outlier measured again, within a budget of `retries`
+re-measurements per repeat. Waiting is watching: the guard polls the host until a short
+window is quiet (`wait_quiet`), for at most a back-off that doubles, so a passing hiccup
+costs a fraction of a second and a busy spell no more than the back-off. A configuration
 still untrusted at the end of a sweep is measured once more after a longer wait for quiet
-(`settle_s`, see `rematlab.sweep`). It hands back the evidence — repeats run,
-drift, spread, load, trusted — that the dataset stores with every row. Analyses use trusted
+(`settle_s`, see `rematlab.sweep`). It hands back the evidence — repeats run, drift,
+spread, load, trusted — that the dataset stores with every row. Analyses use trusted
 rows only and say how many they left out (`trusted_only`).
 """
 

@@ -264,10 +264,10 @@ def sweep(
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         status = "failed"
         try:
-            run(todo, grid.timeout, record, 0.0, references, backend, ray_address)
+            run_all(todo, grid.timeout, record, 0.0, references, backend, ray_address)
             if remeasure:
-                run(untrusted(), grid.timeout, record_again, SETTLE_S, references, backend,
-                    ray_address)
+                run_all(untrusted(), grid.timeout, record_again, SETTLE_S, references,
+                        backend, ray_address)
             status = "complete"
         except KeyboardInterrupt:
             result.interrupted = True
@@ -283,9 +283,9 @@ def sweep(
     return result
 
 
-def run(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
-        settle_s: float, references: dict[tuple[str, int], float], backend: str,
-        ray_address: str | None) -> None:
+def run_all(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
+            settle_s: float, references: dict[tuple[str, int], float], backend: str,
+            ray_address: str | None) -> None:
     """Measure `specs` one at a time on `backend`, handing each result to `record`."""
     if backend == "ray":
         from rematlab.raybackend import run_on_ray
