@@ -57,6 +57,21 @@ def test_dry_run_prints_count_and_estimate_and_writes_nothing(tmp_path):
     assert not db.exists()
 
 
+def test_the_estimate_on_a_cpu_runs_at_the_rate_this_machine_measures(tmp_path, monkeypatch):
+    from rematlab import hardware
+
+    assert hardware.cpu_flops(1) > 1e8  # a real kernel, timed: no machine is slower
+    specs = load_grid(_grid(tmp_path)).expand()
+    estimates = {}
+    for rate in (1e9, 1e12):
+        calls: list[int] = []
+        monkeypatch.setattr(hardware, "cpu_flops",
+                            lambda threads, r=rate, c=calls: c.append(threads) or r)
+        estimates[rate] = hardware.estimate_seconds(specs)
+        assert len(calls) == 1  # measured once per device and thread count
+    assert estimates[1e9] > estimates[1e12] > 0
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [("models = [", "malformed TOML"),
