@@ -40,6 +40,7 @@ from rematlab.probes import Clock
 
 CALIBRATION_SIZE = 256  # square fp32 matrices: ~34 MFLOP per product, no allocation
 CALIBRATION_PRODUCTS = 16
+CALIBRATION_FLOPS = CALIBRATION_PRODUCTS * 2 * CALIBRATION_SIZE ** 3  # the kernel's work
 DRIFT = 0.5  # calibration slower than the reference by more than this: disturbed
 LOAD = 0.15  # other processes took more than this share of our CPUs' time: disturbed
 NOISY = 0.10  # step-time IQR / median above this: too noisy to conclude from

@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import zoo
-from rematlab.guard import CALIBRATION_PRODUCTS, CALIBRATION_SIZE, Calibration
+from rematlab.guard import CALIBRATION_FLOPS, Calibration
 from rematlab.measure import MIN_REPEAT_SECONDS, Spec
 from rematlab.probes import WallClock
 
@@ -44,7 +44,7 @@ def cpu_flops(threads: int, tries: int = 10) -> float:
         seconds = min(kernel.run() for _ in range(tries))
     finally:
         torch.set_num_threads(previous)
-    return CALIBRATION_PRODUCTS * 2 * CALIBRATION_SIZE ** 3 / seconds
+    return CALIBRATION_FLOPS / seconds
 
 
 def estimate_seconds(specs: list[Spec]) -> float:
