@@ -5,7 +5,14 @@ example batch)."""
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 
 def gpt2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
@@ -14,6 +21,14 @@ def gpt2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dic
                      bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     ids = torch.randint(0, 97, (batch, seq))
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+def qwen2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
+    cfg = Qwen2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                      max_position_embeddings=max(64, seq), attn_implementation="eager")
+    ids = torch.randint(0, 97, (batch, seq))
+    return Qwen2ForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
 def bert(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
@@ -131,6 +146,24 @@ class Decoder(nn.Module):
 def decoder(batch: int = 4, seq: int = 24) -> tuple[nn.Module, tuple]:
     return Decoder(), (torch.randint(0, 50, (batch, seq)), torch.randn(batch),
                        torch.ones(batch, seq))
+
+
+class Encoder(nn.Module):
+    """torch's own `nn.TransformerEncoder`, which torch.fx keeps whole as one leaf."""
+
+    def __init__(self, vocab: int = 97, dim: int = 64, layers: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)).mean(1))  # (B, 10)
+
+
+def encoder(batch: int = 8, seq: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    return Encoder(), torch.randint(0, 97, (batch, seq))
 
 
 MODELS = {"gpt2": gpt2, "bert": bert, "resnet": resnet, "unet": unet, "decoder": decoder}

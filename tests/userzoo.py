@@ -118,3 +118,29 @@ def exits():
     """A factory that ends its process's interpreter (not an Exception a measurement records):
     the worker reports it and the sweep records an error, not an OOM."""
     raise SystemExit(3)
+
+
+class Decoder(nn.Module):
+    """Token ids in, a stack of repeated layers driven by its own loop."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+            for _ in range(3))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx)  # (B, T, dim)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h).mean(1)  # (B, vocab)
+
+
+def decoder() -> nn.Module:
+    return Decoder()
+
+
+def decoder_batch(batch: int) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, 8))

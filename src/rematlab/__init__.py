@@ -1,15 +1,16 @@
 """rematlab: measure, model and optimize activation rematerialization in PyTorch training.
 
 Public API: `apply` a strategy or plan, `measure` a configuration, `plan` the fastest
-checkpointing for a memory budget, `auto` (plan per input shape on the fly), `max_batch` (the
-largest batch under a budget, with and without remat, and its throughput), `load` a sweep's
-dataset, `predict` step time and peak memory.
+checkpointing for a memory budget, `prepare` (profile once, then `.choose(budget)` for any
+budget, `.curve()` for all of them), `auto` (plan per input shape on the fly), `max_batch`
+(the largest batch under a budget, with and without remat, and its throughput), `load` a
+sweep's dataset, `predict` step time and peak memory.
 """
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
 from rematlab.maxbatch import max_batch
 from rematlab.measure import Observation, Spec, measure
-from rematlab.planner import auto, plan
+from rematlab.planner import Planning, auto, plan, prepare
 from rematlab.plans import Plan
 from rematlab.store import load
 from rematlab.strategies import apply, parse
@@ -30,6 +31,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "Observation",
     "Plan",
+    "Planning",
     "Predictor",
     "RematlabError",
     "Spec",
@@ -42,4 +44,5 @@ __all__ = [
     "parse",
     "plan",
     "predict",
+    "prepare",
 ]

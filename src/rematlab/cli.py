@@ -142,7 +142,12 @@ def measure(
 @handles_errors
 def plan_cmd(
     model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
-    budget: Budget,
+    budget: Annotated[str | None, typer.Option(
+        help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")]
+    = None,
+    budgets: Annotated[str | None, typer.Option(
+        help="several budgets, comma-separated (40MiB,60MiB): the model is profiled once")]
+    = None,
     batch: int = 32,
     input: InputScale = None,
     input_shape: InputShape = None,
@@ -158,7 +163,8 @@ def plan_cmd(
     out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """The fastest checkpointing plan whose whole-step peak fits the budget."""
+    """The fastest checkpointing plan whose whole-step peak fits the budget (or each of
+    several budgets, from one profile)."""
     from rematlab import zoo
     from rematlab.measure import available, parse_device
     from rematlab.planner import prepare
@@ -166,52 +172,92 @@ def plan_cmd(
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
-    budget = checked(budget)
+    wanted = _budget_list(budget, budgets)
+    if out is not None and len(wanted) > 1:
+        raise ConfigError("--out writes one plan: give one --budget")
     dev = available(parse_device(device))
     net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
     x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
                      device=dev)
     planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
                        else optimizer, blocks=blocks or None, predict=predict, compile=compile)
-    derived = planning.budget(budget)
-    limit = derived.nbytes
-    chosen = planning.choose(limit)
-    rows = planning.baselines(limit)
-    none_time = rows[0]["time"]
-    summary = {"plan": chosen.describe(), "structure": planning.structure.describe(),
-               "budget": limit, "budget_source": derived.how,
-               "predicted_peak": chosen.predicted_peak,
-               "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
-               "predicted_overhead": chosen.predicted_time / none_time - 1.0,
-               "baselines": rows, "plan_json": json.loads(chosen.to_json())}
+    summaries = [_plan_summary(planning, b) for b in wanted]
     if out is not None:
-        write_text(out, chosen.to_json())
+        write_text(out, json.dumps(summaries[0]["plan_json"]))
     if as_json:
-        _print_json(summary)
+        _print_json(summaries[0] if len(summaries) == 1 else
+                    {"structure": planning.structure.describe(), "plans": summaries,
+                     "curve": planning.curve()})
         return
     console.print(f"{type(net).__name__}: {planning.structure.describe()}")
-    if is_auto(budget):
-        console.print(f"budget {format_bytes(limit)}: {derived.how}")
-    console.print(f"plan: {chosen.describe()}")
-    console.print(f"predicted peak {format_bytes(chosen.predicted_peak or 0)}"
-                  + (f", measured {format_bytes(chosen.measured_peak)}"
-                     if chosen.measured_peak else "")
-                  + f" (budget {format_bytes(limit)}, floor {format_bytes(chosen.min_peak or 0)});"
+    if len(summaries) > 1:
+        _print_budget_table(summaries)
+    else:
+        _print_plan(summaries[0], budget)
+    if out is not None:
+        console.print(f"plan written to {out}; use it with --strategy plan:{out}")
+    if compile:
+        console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
+
+
+def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
+    """The budgets asked for, each checked before any profiling."""
+    if (budget is None) == (budgets is None):
+        raise ConfigError("give either --budget or --budgets")
+    listed = [budget] if budget is not None else [b.strip() for b in (budgets or "").split(",")]
+    if not all(listed):
+        raise ConfigError(f"--budgets has an empty entry: {budgets!r}")
+    return [checked(b) for b in listed]
+
+
+def _plan_summary(planning: Any, budget: str) -> dict:
+    """One budget's plan and the fixed strategies beside it, as `rematlab plan` reports it."""
+    from rematlab.plans import overhead
+
+    derived = planning.budget(budget)
+    chosen = planning.choose(derived.nbytes)
+    rows = planning.baselines(derived.nbytes)
+    return {"plan": chosen.describe(), "structure": planning.structure.describe(),
+            "budget": derived.nbytes, "budget_source": derived.how,
+            "predicted_peak": chosen.predicted_peak,
+            "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
+            "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0]["time"]),
+            "baselines": rows, "plan_json": json.loads(chosen.to_json())}
+
+
+def _print_plan(summary: dict, budget: str | None) -> None:
+    limit, rows = summary["budget"], summary["baselines"]
+    if budget is not None and is_auto(budget):
+        console.print(f"budget {format_bytes(limit)}: {summary['budget_source']}")
+    console.print(f"plan: {summary['plan']}")
+    console.print(f"predicted peak {format_bytes(summary['predicted_peak'] or 0)}"
+                  + (f", measured {format_bytes(summary['measured_peak'])}"
+                     if summary["measured_peak"] else "")
+                  + f" (budget {format_bytes(limit)}, floor "
+                  f"{format_bytes(summary['min_peak'] or 0)});"
                   f" predicted time overhead {summary['predicted_overhead']:+.1%}")
     table = Table(title="versus fixed strategies (simulated)")
     for col in ("strategy", "peak", "x none", "time overhead", "fits"):
         table.add_column(col, justify="right")
-    table.add_row("optimal", format_bytes(chosen.predicted_peak or 0),
-                  f"{(chosen.predicted_peak or 0) / rows[0]['peak']:.2f}",
+    table.add_row("optimal", format_bytes(summary["predicted_peak"] or 0),
+                  f"{(summary['predicted_peak'] or 0) / rows[0]['peak']:.2f}",
                   f"{summary['predicted_overhead']:+.1%}", "yes")
     for r in rows:
         table.add_row(r["strategy"], format_bytes(r["peak"]), f"{r['peak_ratio']:.2f}",
                       f"{r['overhead']:+.1%}", "yes" if r["fits"] else "no")
     console.print(table)
-    if out is not None:
-        console.print(f"plan written to {out}; use it with --strategy plan:{out}")
-    if compile:
-        console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
+
+
+def _print_budget_table(summaries: list[dict]) -> None:
+    table = Table(title="one plan per budget (profiled once)")
+    for col in ("budget", "plan", "predicted peak", "measured peak", "time overhead"):
+        table.add_column(col, justify="right")
+    for s in summaries:
+        table.add_row(format_bytes(s["budget"]), s["plan"],
+                      format_bytes(s["predicted_peak"] or 0),
+                      format_bytes(s["measured_peak"]) if s["measured_peak"] else "",
+                      f"{s['predicted_overhead']:+.1%}")
+    console.print(table)
 
 
 @app.command("max-batch")
@@ -528,8 +574,8 @@ def gradients(
         ks = [int(b) for b in budgets.split(",") if b.strip()]
     except ValueError:
         raise ConfigError(f"budgets {budgets!r} must be comma-separated integers") from None
-    if not ks or min(ks) <= 0 or seeds <= 0 or steps <= 0 or batch <= 0:
-        raise ConfigError("budgets, seeds, steps and batch must be positive")
+    if not ks:
+        raise ConfigError(f"budgets {budgets!r} names no direction count")
     names = [m.strip() for m in models.split(",") if m.strip()]
     if not names:
         raise ConfigError("--models names no model; e.g. bert-topics or mlp5,lenet5")

@@ -29,7 +29,7 @@ from rematlab import peft
 from rematlab.estimators import LossFn, Method, estimate, trainable
 from rematlab.exceptions import ConfigError
 from rematlab.probes import StepMemory
-from rematlab.steps import make_optimizer
+from rematlab.steps import bounded, make_optimizer
 from rematlab.strategies import apply as apply_strategy
 from rematlab.tasks import Task, build_model, digits, for_finetuning
 
@@ -265,6 +265,11 @@ PEFT_LRS = {"bp": [0.03, 0.1, 0.3], "fmad": [3e-4, 1e-3, 3e-3], "zo": [3e-4, 1e-
 TARGET = 0.9  # of BP's mean final accuracy: the accuracy every convergence figure aims at
 
 
+MAX_SEEDS = 1000
+MAX_STEPS = 1_000_000  # training steps per run (and samples per step)
+MAX_DIRECTIONS = 4096  # random directions per step for FmAD:K and ZO:K
+
+
 def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int = 150,
             batch: int = 64, eval_every: int | None = None, finetune: bool = False,
             strategy: str = "sqrt", progress: Callable[[str], None] | None = None
@@ -277,7 +282,12 @@ def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int
     transformers' layer checkpointing (`bp+ckpt:layers`, the paper's baseline) and
     `bp+ckpt:matched`, rematlab's plan for a budget equal to the measured step peak of the
     best ZO run (the paper's "comparable memory", exact). Other models use `strategy`."""
-    for model in models:  # fail on a bad name before any training starts
+    bounded("seeds", seeds, MAX_SEEDS)
+    bounded("steps", steps, MAX_STEPS)
+    bounded("batch", batch, MAX_STEPS)
+    for k in budgets:
+        bounded("directions per step (budgets)", k, MAX_DIRECTIONS)
+    for model in models:  # fail on a bad name, or a model that misfits, before any training
         if model != peft.MODEL:
             build_model(model)
     eval_every = eval_every or max(1, steps // 100)

@@ -92,6 +92,11 @@ def find_layers(model: nn.Module, names: str | list[str] | None = None
                 found.append((name, m))
         if len(found) < 1:
             raise ConfigError(f"no layers under {names!r}")
+        for i, (a, _) in enumerate(found):
+            for b, _ in found[i + 1:]:
+                if a == b or b.startswith(f"{a}.") or a.startswith(f"{b}."):
+                    raise ConfigError(f"the layers named overlap: {a!r} and {b!r}; name each "
+                                      "layer (or its stack) once")
         return found
     classes = {type(c) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
                for c in m.children() if not isinstance(c, (nn.ModuleList, nn.Sequential))

@@ -40,12 +40,13 @@ from torch import nn
 from rematlab.budget import DeviceBudget, checked, resolve
 from rematlab.exceptions import ConfigError
 from rematlab.layers import single_layer
-from rematlab.measure import steps_per_repeat
+from rematlab.measure import MAX_REPEATS, steps_per_repeat
 from rematlab.planner import Planning, prepare, resident, step_peak
 from rematlab.plans import ChainCosts, Plan, none_plan, simulate
 from rematlab.probes import clock_for
 from rematlab.solver import solve
 from rematlab.steps import (
+    bounded,
     Batch,
     LossFn,
     call,
@@ -483,8 +484,8 @@ def max_batch(
         raise ConfigError(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
     if not 1 <= limit <= MAX_BATCH:
         raise ConfigError(f"limit must be between 1 and {MAX_BATCH}, got {limit}")
-    if repeats < 0 or warmup < 0:
-        raise ConfigError("warmup and repeats must be non-negative")
+    bounded("warmup", warmup, MAX_REPEATS, low=0)
+    bounded("repeats", repeats, MAX_REPEATS, low=0)
     dev = torch.device(device) if device is not None else None
     if dev is None:
         dev = next((p.device for p in model.parameters()), None)

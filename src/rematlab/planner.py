@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from rematlab.plans import (
     Plan,
     every_layer_plan,
     none_plan,
+    overhead,
     selective_per_layer,
     selective_plan,
     simulate,
@@ -54,7 +55,8 @@ from rematlab.steps import (
 from rematlab.strategies import RematChain, apply
 from rematlab.structure import Structure, structure
 
-_MAX_CORRECTIONS = 6
+_MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
+COMPILED_SLACK = 0.25
 _log = logging.getLogger("rematlab")
 
 
@@ -75,6 +77,7 @@ class Planning:
     verify: bool
     compile: bool
     loss_fn: LossFn | None
+    _measured: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def floor(self) -> int:
@@ -91,14 +94,64 @@ class Planning:
         return derive(budget, self.model, self.batch)
 
     def choose(self, budget: str | int) -> Plan:
-        """The fastest plan within `budget` (a size or 'auto'), measured unless predicting."""
+        """The fastest plan within `budget` (a size or 'auto'), measured unless predicting.
+
+        Monotone in the budget: the plans considered for a budget are the floor plan and the
+        frontier's plans whose simulated peak is within it (compiled: within `COMPILED_SLACK`
+        above it, since compiled graphs save less than their blocks compiled alone), tried
+        fastest first, and the first whose *measured* peak fits wins. Measurements are cached
+        on this object, so a larger budget only adds candidates: its plan is never slower.
+        When the simulation underestimates a plan, the next-best plan is taken, not the
+        floor."""
         limit = self.budget(budget).nbytes
         name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
-        chosen = replace(_first_pick(self.solution, limit, self.verify), compiled=self.compile,
-                         name=name)
+        slack = COMPILED_SLACK if self.compile else 0.0
+        frontier = self.solution.frontier
+        pool = [frontier[0], *(p for p in frontier[1:]
+                               if (p.predicted_peak or 0) <= limit * (1 + slack))]
         if not self.verify:
-            return chosen
-        return _verified(self.solution, chosen, limit, self.measure)
+            fits = [p for p in pool if (p.predicted_peak or 0) <= limit]
+            if not fits:
+                raise InfeasibleBudgetError(limit, self.floor)
+            return self._named(fits[-1], name, limit)
+        skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
+        tried = 0
+        for candidate in reversed(pool):
+            if (skip_above is not None and (candidate.predicted_peak or 0) > skip_above
+                    and candidate is not pool[0]):
+                continue
+            known = candidate.describe() in self._measured
+            measured = self._measure_cached(candidate)
+            if measured <= limit:
+                return replace(self._named(candidate, name, limit), measured_peak=measured)
+            tried += 0 if known else 1
+            if tried >= _MAX_CORRECTIONS:
+                skip_above = (candidate.predicted_peak or 0) - (measured - limit)
+        raise InfeasibleBudgetError(limit, max(self.floor, self._measured[pool[0].describe()]))
+
+    @property
+    def unconstrained(self) -> Plan:
+        """The fastest plan with no budget (every activation kept where that is fastest)."""
+        return self._named(self.solution.frontier[-1], "unconstrained", None)
+
+    def curve(self) -> list[dict]:
+        """The Pareto curve of budget against time: every frontier plan's simulated peak,
+        time and overhead against keeping everything, fastest last (plus its measured peak
+        where a `choose` already measured it). One solve serves every budget."""
+        none_time = simulate(none_plan(self.costs.n), self.costs)[1]
+        return [{"peak": p.predicted_peak, "time": p.predicted_time,
+                 "overhead": overhead(p.predicted_time or 0.0, none_time),
+                 "measured_peak": self._measured.get(p.describe()), "plan": p.describe()}
+                for p in self.solution.frontier]
+
+    def _named(self, chosen: Plan, name: str, limit: int | None) -> Plan:
+        return replace(chosen, name=name, budget=limit, compiled=self.compile)
+
+    def _measure_cached(self, chosen: Plan) -> int:
+        key = chosen.describe()
+        if key not in self._measured:
+            self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
+        return self._measured[key]
 
     def measure(self, chosen: Plan) -> int:
         """The measured step peak of `chosen` (see `step_peak`)."""
@@ -190,54 +243,6 @@ def plan(
     return prepare(model, example_inputs, **kwargs).choose(budget)
 
 
-def _first_pick(solution: Solution, limit: int, verify: bool) -> Plan:
-    """The model's pick for `limit`; below the simulated floor, the floor plan when it will
-    be measured (the measurement, not the model, decides whether the budget is infeasible)."""
-    try:
-        return solution.plan_for(limit)
-    except InfeasibleBudgetError:
-        if not verify:
-            raise
-        return solution.plan_for(solution.min_peak)
-
-
-def _verified(solution: Solution, chosen: Plan, limit: int,
-              measure: Callable[[Plan], int]) -> Plan:
-    """Measure the chosen plan. Over the limit: tighten the target by the overshoot and pick
-    again. Under it by a margin the model did not predict (compiled graphs save less than
-    their blocks compiled alone): loosen the target by that margin and try the faster plan
-    it allows. The fastest plan measured within the limit wins. When none does, the floor
-    plan is measured: the error's `min_peak` is that measurement, so passing it back as the
-    budget yields the floor plan."""
-    target, best = limit, None
-    seen: set[str] = set()
-    for _ in range(_MAX_CORRECTIONS):
-        seen.add(chosen.describe())
-        measured = measure(chosen)
-        if measured <= limit:
-            if best is None or (chosen.predicted_time or 0) < (best.predicted_time or 0):
-                best = replace(chosen, budget=limit, measured_peak=measured)
-            target += (chosen.predicted_peak or measured) - measured
-        else:
-            target -= measured - limit
-        try:
-            chosen = replace(solution.plan_for(target), compiled=chosen.compiled,
-                             name=chosen.name)
-        except InfeasibleBudgetError:
-            break
-        if chosen.describe() in seen or (best is not None and (chosen.predicted_time or 0)
-                                         >= (best.predicted_time or 0)):
-            break
-    if best is not None:
-        return best
-    floor_plan = replace(solution.plan_for(solution.min_peak), compiled=chosen.compiled,
-                         name=chosen.name)
-    floor = measure(floor_plan)
-    if floor <= limit:
-        return replace(floor_plan, budget=limit, measured_peak=floor)
-    raise InfeasibleBudgetError(limit, max(solution.min_peak, floor))
-
-
 def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
                  costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
     """Measured peak of a training step under `chosen` (compiled if `chosen.compiled`):
@@ -300,7 +305,7 @@ def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = Fals
     for p in fixed:
         peak, time = simulate(p, costs)
         rows.append({"strategy": p.name, "peak": peak, "time": time,
-                     "overhead": time / none_time - 1.0, "peak_ratio": peak / none_peak,
+                     "overhead": overhead(time, none_time), "peak_ratio": peak / none_peak,
                      "fits": budget is None or peak <= budget, "plan": p.describe()})
     return rows
 

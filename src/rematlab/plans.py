@@ -360,4 +360,15 @@ def simulate(plan: Plan, costs: ChainCosts) -> tuple[int, float]:
     if plan.n_blocks != costs.n:
         raise ConfigError(f"plan is for {plan.n_blocks} blocks, the chain has {costs.n}")
     mem, time = need(plan.items, costs.n, True, costs)
-    return max(costs.base + mem, costs.optimizer_peak), time
+    return step_peak(costs, mem), time
+
+
+def step_peak(costs: ChainCosts, mem: int) -> int:
+    """The whole step's peak for a plan whose forward+backward needs `mem` bytes above the
+    baseline: the larger of that and the optimizer step's own peak."""
+    return max(costs.base + mem, costs.optimizer_peak)
+
+
+def overhead(time: float, none_time: float) -> float:
+    """Time overhead of a plan against keeping every activation: `time / none - 1`."""
+    return time / none_time - 1.0 if none_time > 0 else 0.0

@@ -13,14 +13,24 @@ calls feasible at level m needs at most m * unit bytes in the simulator.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from rematlab.exceptions import InfeasibleBudgetError
-from rematlab.plans import ChainCosts, Item, Plan, Segment, checkpoint_terms, keep_terms, need
+from rematlab.plans import (
+    ChainCosts,
+    Item,
+    Plan,
+    Segment,
+    checkpoint_terms,
+    keep_terms,
+    need,
+    step_peak,
+)
 
 _INF = float("inf")
 
@@ -38,40 +48,39 @@ class Solution:
     @property
     def min_peak(self) -> int:
         """The smallest step peak any plan reaches (bytes, exact for the plan found)."""
-        top = self.table[(1, 0, self.costs.n)]
-        finite = np.flatnonzero(np.isfinite(top))
-        plan = self._build(1, 0, self.costs.n, int(finite[0]))
-        mem, _ = need(plan, self.costs.n, True, self.costs)
-        return max(self.costs.base + mem, self.costs.optimizer_peak)
+        return self.frontier[0].predicted_peak or 0
+
+    @functools.cached_property
+    def frontier(self) -> list[Plan]:
+        """Every plan worth choosing, fastest last: the Pareto front of (exact simulated
+        peak, time) over the plans the table holds. A level where the table's time improves
+        holds a new plan; rounding makes neighbouring levels hold plans whose exact peaks
+        interleave, so the front is filtered on the exact values."""
+        c = self.costs
+        top = self.table[(1, 0, c.n)]
+        finite = np.isfinite(top)
+        improves = finite & np.concatenate(([True], top[1:] < top[:-1]))
+        found: dict[tuple[Item, ...], tuple[int, float]] = {}
+        for lvl in np.flatnonzero(improves):
+            items = self._build(1, 0, c.n, int(lvl))
+            if items not in found:
+                mem, time = need(items, c.n, True, c)
+                found[items] = (step_peak(c, mem), time)
+        front: list[Plan] = []
+        for items, (peak, time) in sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+            if front and time >= (front[-1].predicted_time or 0.0):
+                continue  # no faster than a plan with a smaller (or equal) peak
+            front.append(Plan(c.n, items, predicted_peak=peak, predicted_time=time))
+        floor = front[0].predicted_peak
+        return [replace(p, min_peak=floor) for p in front]
 
     def plan_for(self, budget: int, name: str = "optimal") -> Plan:
-        """The fastest plan whose simulated step peak is at most `budget` bytes."""
-        c = self.costs
-        floor = self.min_peak
-        if budget < floor:
-            raise InfeasibleBudgetError(budget, floor)
-        top = self.table[(1, 0, c.n)]
-        # Rounding makes the DP see each plan as needing up to 2n+2 units more than it does:
-        # every level up to that slack above the budget is a candidate, kept if its plan's
-        # exact peak fits. The floor plan always does.
-        level = min(self.levels, (budget - c.base) // self.unit)
-        first = int(np.flatnonzero(np.isfinite(top))[0])
-        best: tuple[float, int, tuple[Item, ...]] | None = None
-        for lvl in range(max(first, level - 1), min(self.levels, level + 2 * c.n + 2) + 1):
-            if lvl < first or not np.isfinite(top[lvl]):
-                continue
-            items = self._build(1, 0, c.n, lvl)
-            mem, time = need(items, c.n, True, c)
-            peak = max(c.base + mem, c.optimizer_peak)
-            if peak <= budget and (best is None or time < best[0]):
-                best = (time, peak, items)
-        if best is None:
-            items = self._build(1, 0, c.n, first)
-            mem, time = need(items, c.n, True, c)
-            best = (time, max(c.base + mem, c.optimizer_peak), items)
-        time, peak, items = best
-        return Plan(c.n, items, name=name, predicted_peak=peak, predicted_time=time,
-                    budget=budget, min_peak=floor)
+        """The fastest plan whose simulated step peak is at most `budget` bytes. Monotone by
+        construction: a larger budget only adds plans to choose from."""
+        fits = [p for p in self.frontier if (p.predicted_peak or 0) <= budget]
+        if not fits:
+            raise InfeasibleBudgetError(budget, self.min_peak)
+        return replace(fits[-1], name=name, budget=budget)
 
     def _build(self, h: int, s: int, t: int, level: int) -> tuple[Item, ...]:
         if s == t:

@@ -158,6 +158,32 @@ INPUT_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
                 "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
 
+MAX_BATCH_SIZE = 2**31 - 1  # samples: torch indexes a batch dimension in 32 bits on GPUs
+MAX_VOCAB = 2**63 - 1  # token ids are int64
+
+
+def bounded(name: str, value: int, high: int, low: int = 1) -> int:
+    """`value` of the count `name` if `low <= value <= high`; else bad input, said once."""
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def user_code(failed: str) -> Iterator[None]:
+    """Runs the user's code (an import, a factory). Any failure of it is bad input reported
+    as `failed: <error>`, including `sys.exit` and other `BaseException`s: a factory that
+    exits must not end rematlab silently with its status. Ctrl-C stays Ctrl-C."""
+    try:
+        yield
+    except (KeyboardInterrupt, ConfigError):
+        raise
+    except BaseException as exc:
+        detail = (f"exit({exc.code})" if isinstance(exc, SystemExit)
+                  else str(exc).splitlines()[0] if str(exc) else "")
+        raise ConfigError(f"{failed}: {type(exc).__name__}: {detail}") from None
+
+
 def load_object(path: str, what: str) -> Any:
     """`module.path:name` -> the object, importing from the current directory too (as
     `python -m` does); any failure to import is a `ConfigError` naming `what` it was for."""
@@ -166,13 +192,10 @@ def load_object(path: str, what: str) -> Any:
         raise ConfigError(f"{what} {path!r} must look like module.path:name")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
+    with user_code(f"cannot load {what} {path!r}"):
         obj = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except Exception as exc:  # ImportError, SyntaxError, errors raised while importing
-        raise ConfigError(f"cannot load {what} {path!r}: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if not callable(obj):
         raise ConfigError(f"{what} {path!r} is not callable")
     return obj
@@ -184,16 +207,14 @@ def make_example(batch: int, shape: tuple[int, ...] | None = None, *,
                  seed: int = 0) -> Batch:
     """A synthetic batch: `example(batch)` from a user's factory (any batch form), or a tensor
     of `(batch, *shape)` — normal floats, or token ids below `vocab` for an integer dtype."""
-    if batch <= 0:
-        raise ConfigError(f"batch must be a positive integer, got {batch}")
+    bounded("batch", batch, MAX_BATCH_SIZE)
+    if vocab is not None:
+        bounded("vocab", vocab, MAX_VOCAB)
     gen = torch.Generator().manual_seed(seed)
     if example is not None:
         factory = load_object(example, "example factory")
-        try:
+        with user_code(f"example factory {example!r} failed"):
             made = factory(batch)
-        except Exception as exc:
-            raise ConfigError(f"example factory {example!r} failed: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
         check_batch(made)
         return to_device(made, device) if device is not None else made
     if shape is None:

@@ -60,7 +60,30 @@ def structure(model: nn.Module, example: object = None,
     if example is None or isinstance(example, torch.Tensor):
         with contextlib.suppress(ConfigError):
             info = find_chain(model, example, quiet=True)
+            stacks = _stacks_inside(model, info.blocks)
+            if stacks:
+                named = find_layers(model, stacks)
+                return Structure("layers", [m for _, m in named],
+                                 f"inside an {info.method} block", [n for n, _ in named])
             if len(info.blocks) > 1:
                 return Structure("chain", info.blocks, info.method)
     named = find_layers(model)
     return Structure("layers", [m for _, m in named], "repeated", [n for n, _ in named])
+
+
+def _stacks_inside(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    """Names of the layer stacks (a `ModuleList`/`Sequential` of two or more modules of one
+    class) that sit whole inside one block of a chain. fx keeps torch.nn's own containers
+    (`nn.TransformerEncoder`) as leaves, so a chain can hold a whole encoder in one block and
+    have nothing to checkpoint: such a model is driven through the stack's layers instead."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found: list[str] = []
+    for block in blocks:
+        for m in block.modules():
+            name = names.get(id(m))
+            if name is None or not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+                continue
+            if len({type(c) for c in m.children()}) == 1 and not any(
+                    name.startswith(f"{f}.") for f in found):
+                found.append(name)
+    return found

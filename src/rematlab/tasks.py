@@ -14,6 +14,7 @@ from torch import nn
 
 from rematlab import zoo
 from rematlab.exceptions import ConfigError
+from rematlab.steps import runs_on
 
 
 @dataclass
@@ -64,7 +65,14 @@ def build_model(name: str) -> tuple[nn.Sequential, Task]:
         return zoo.mlp(5, in_features=64, width=128), synthetic()
     if ":" in name:
         model, _, _ = zoo.resolve(name, input_shape=(64,))
-        return model, digits()
+        task = digits()
+        runs_on(model, model, task.x_train[:2], name)
+        with torch.no_grad():
+            shape = tuple(model(task.x_train[:2]).shape)
+        if shape != (2, task.classes):
+            raise ConfigError(f"{name} maps 64 inputs to {shape[1:]}, the task needs "
+                              f"{task.classes} classes")
+        return model, task
     raise ConfigError(f"unknown model {name!r} for the gradient comparison; use mlp3, mlp5, "
                       "mlp7, lenet5, synthetic-mlp5 or module:factory (64 inputs, 10 classes)")
 

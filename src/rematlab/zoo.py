@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from rematlab.exceptions import ConfigError
-from rematlab.steps import load_object
+from rematlab.steps import load_object, user_code
 
 
 def _block(*layers: nn.Module) -> nn.Sequential:
@@ -170,11 +170,8 @@ def resolve(
             f"unknown model {model!r}; choose one of {sorted(REGISTRY)} or give module.path:factory"
         )
     factory = load_object(model, "model factory")
-    try:
+    with user_code(f"model factory {model!r} failed"):
         built = factory()
-    except Exception as exc:  # the user's code: any failure is reported, not a traceback
-        raise ConfigError(f"model factory {model!r} failed: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if not isinstance(built, nn.Module):
         raise ConfigError(f"model factory {model!r} returned {type(built).__name__}, not nn.Module")
     return built, input_shape, scale or "custom"
