@@ -2,8 +2,6 @@
 planner, the auto-planner and the CLI."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import rematlab
 from rematlab import budget as B
 from rematlab import zoo
 from rematlab.exceptions import ConfigError
+from tests import clirun
 
 CPU = torch.device("cpu")
 GIB, MIB = 2**30, 2**20
@@ -68,9 +67,7 @@ def test_plan_and_auto_accept_budget_auto():
 
 
 def test_the_cli_says_how_an_auto_budget_was_derived():
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "plan", "--model", "mlp3",
-                           "--batch", "16", "--budget", "auto", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = clirun.run(["plan", "--model", "mlp3", "--batch", "16", "--budget", "auto", "--json"])
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["budget_source"].startswith("auto on cpu") and data["budget"] > 0

@@ -1,11 +1,10 @@
 import json
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
 from rematlab.cli import app
+from tests import clirun
 
 runner = CliRunner()
 
@@ -32,8 +31,7 @@ def test_measure_json_output_has_the_documented_figures():
      (["--model", "mlp3", "--max-memory", "lots"], "memory size")],
 )
 def test_bad_input_is_one_line_and_exit_status_2(args, needle):
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "measure", *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = clirun.run(["measure", *args])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
@@ -62,18 +60,15 @@ def test_plan_command_prints_plan_and_baselines(tmp_path):
 
 
 def test_infeasible_plan_is_one_line_with_the_floor():
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "plan", "--model", "mlp3",
-                           "--batch", "16", "--budget", "1KiB"], capture_output=True, text=True,
-                          timeout=120)
+    proc = clirun.run(["plan", "--model", "mlp3", "--batch", "16", "--budget", "1KiB"])
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1
     assert "is infeasible: the smallest peak for this model and batch is" in proc.stderr
 
 
 def test_compile_with_predict_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "plan", "--model", "mlp3",
-                           "--budget", "1GiB", "--compile", "--predict"], capture_output=True,
-                          text=True, timeout=120)
+    proc = clirun.run(["plan", "--model", "mlp3", "--budget", "1GiB", "--compile",
+                       "--predict"])
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: --compile needs measured costs")
     assert proc.stderr.count("\n") == 1
@@ -100,8 +95,7 @@ def broken(b):
 
 
 def _cli(args, cwd):
-    return subprocess.run([sys.executable, "-m", "rematlab.cli", *args], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+    return clirun.run(args, cwd=cwd)
 
 
 def test_plan_and_measure_a_transformers_model_from_the_current_directory(tmp_path):

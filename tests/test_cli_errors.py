@@ -2,8 +2,6 @@
 on stderr, no traceback, nothing on stdout; damaged and foreign files included."""
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
@@ -12,6 +10,7 @@ import torch
 
 from rematlab.measure import Spec, failed_row
 from rematlab.store import Store, config_id
+from tests import clirun
 
 HERE = Path(__file__).parent
 
@@ -139,8 +138,7 @@ CASES = [
                               for i, c in enumerate(CASES)])
 def test_bad_input_is_one_error_line_and_exit_2(files, command, args, needle):
     args = [a.replace("{d}", str(files)) for a in args]
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", command, *args],
-                          capture_output=True, text=True, timeout=300, cwd=files)
+    proc = clirun.run([command, *args], cwd=files)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()

@@ -3,8 +3,6 @@ more sample does not, checked here independently of the search — with and with
 `auto` re-planning when a derived budget stops holding."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.maxbatch import confirmed, largest, max_batch, resized
 from rematlab.planner import step_peak
 from rematlab.plans import none_plan, simulate
-from tests import realzoo
+from tests import clirun, realzoo
 
 MIB = 2**20
 
@@ -158,16 +156,13 @@ def test_auto_replans_when_the_derived_budget_stops_holding(monkeypatch):
 
 
 def test_the_cli_reports_both_cases_as_json_and_rejects_bad_input():
-    ok = subprocess.run([sys.executable, "-m", "rematlab.cli", "max-batch", "--model", "mlp3",
-                         "--budget", "24MiB", "--repeats", "2", "--json"],
-                        capture_output=True, text=True, timeout=300)
+    ok = clirun.run(["max-batch", "--model", "mlp3", "--budget", "24MiB", "--repeats", "2",
+                     "--json"])
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
     assert [f["case"] for f in data["fits"]] == ["none", "optimal"]
     assert all(f["throughput"] > 0 and f["peak"] <= 24 * MIB < f["over"] for f in data["fits"])
-    bad = subprocess.run([sys.executable, "-m", "rematlab.cli", "max-batch", "--model", "mlp3",
-                          "--budget", "24MiB", "--batch", "1"],
-                         capture_output=True, text=True, timeout=300)
+    bad = clirun.run(["max-batch", "--model", "mlp3", "--budget", "24MiB", "--batch", "1"])
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
     assert "Traceback" not in bad.stderr
 

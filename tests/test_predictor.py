@@ -202,3 +202,49 @@ def test_dataset_leaves_out_what_the_guard_did_not_trust_and_says_how_many():
     summary["trusted"] = summary["cfg_batch"] == 16
     with pytest.raises(ConfigError, match="12 more left out as untrusted"):
         P.dataset(summary)
+
+
+def _saved_state(tmp_path):
+    """A real predictor's state, as `save` writes it, to tamper with."""
+    data = _frame()
+    pred = P.Predictor().fit(data)
+    return {"names": dict(pred.names_), "fitted": dict(pred.fitted_),
+            "half_width": dict(pred.half_width_), "coverage": pred.coverage}
+
+
+def _boosted_trees(estimator):
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    from rematlab.modelfile import _walk
+
+    return [t for o in _walk(estimator) if isinstance(o, HistGradientBoostingRegressor)
+            for stage in getattr(o, "_predictors", []) for t in stage]
+
+
+def test_a_boosted_tree_pointing_outside_itself_is_refused_before_it_can_crash(tmp_path):
+    state = _saved_state(tmp_path)
+    trees = _boosted_trees(state["fitted"]["memory"])
+    assert trees, state["names"]
+    trees[0].nodes["left"][0] = 10**8  # what crashed predict with SIGSEGV
+    sio.dump(state, str(tmp_path / "p.skops"))
+    with pytest.raises(ConfigError, match="child indices point outside"):
+        P.Predictor.load(tmp_path / "p.skops")
+
+
+def test_fitted_entries_that_are_none_are_refused_at_load(tmp_path):
+    state = _saved_state(tmp_path)
+    state["fitted"] = dict.fromkeys(state["fitted"])
+    sio.dump(state, str(tmp_path / "p.skops"))
+    with pytest.raises(ConfigError, match="not a fitted estimator"):
+        P.Predictor.load(tmp_path / "p.skops")
+
+
+def test_a_zip_bomb_is_refused_without_inflating_it(tmp_path):
+    state = _saved_state(tmp_path)
+    sio.dump(state, str(tmp_path / "p.skops"))
+    with zipfile.ZipFile(tmp_path / "p.skops", "a", zipfile.ZIP_DEFLATED) as z, \
+            z.open("bomb.npy", "w") as member:
+        for _ in range(32):
+            member.write(bytes(1 << 20))
+    with pytest.raises(ConfigError, match="zip bomb"):
+        P.Predictor.load(tmp_path / "p.skops")

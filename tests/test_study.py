@@ -1,11 +1,10 @@
-import subprocess
-import sys
 
 import pytest
 
 from rematlab import load
 from rematlab import study as study_mod
 from rematlab.study import StudySettings, run_study
+from tests import clirun
 
 GRID = """
 name = "tiny"
@@ -61,8 +60,7 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
 
 
 def test_study_cli_rejects_a_bad_grid_with_exit_status_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "study", "--grid", "nope",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = clirun.run(["study", "--grid", "nope", "--out", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr.startswith("error: grid file 'nope' not found")
 
 
@@ -71,7 +69,6 @@ def test_study_cli_rejects_a_bad_grid_with_exit_status_2(tmp_path):
                                    "--seeds", "1", "--steps", "1"],
                                   ["predict", "--predictor", "missing.skops", "--model", "mlp3"]])
 def test_other_commands_fail_cleanly(args):
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    proc = clirun.run(args)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
     assert "Traceback" not in proc.stderr

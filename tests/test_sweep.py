@@ -14,6 +14,7 @@ from rematlab.grid import load_grid
 from rematlab.guard import trusted_only
 from rematlab.store import MIGRATIONS, SCHEMA_VERSION, Store, load
 from rematlab.sweep import sweep
+from tests import clirun
 
 TINY = """
 name = "tiny"
@@ -34,9 +35,8 @@ def _grid(tmp_path: Path, extra: str = "", body: str | None = None) -> Path:
     return path
 
 
-def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rematlab.cli", *args], capture_output=True,
-                          text=True, timeout=600, **kw)
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return clirun.run(list(args), timeout=600)
 
 
 def test_shipped_grids_expand_as_documented():
@@ -144,10 +144,41 @@ def _sweep_until(tmp_path: Path, progress: str):
     return proc, grid_path, db
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc's parent links."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
     proc, grid_path, db = _sweep_until(tmp_path, "[3/24]")
+    workers = _descendants(proc.pid)
+    assert workers  # the forkserver and the warm worker
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if _alive(p)], "workers outlived the killed sweep"
     with Store(db) as store:
         done = len(store.done())
         counts = store.con.execute("SELECT config_id, count(*) FROM runs GROUP BY 1").fetchall()

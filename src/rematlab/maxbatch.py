@@ -46,9 +46,9 @@ from rematlab.plans import ChainCosts, Plan, none_plan, simulate
 from rematlab.probes import clock_for
 from rematlab.solver import solve
 from rematlab.steps import (
-    bounded,
     Batch,
     LossFn,
+    bounded,
     call,
     check_batch,
     default_loss,

@@ -43,6 +43,7 @@ from rematlab.files import write_atomic
 from rematlab.guard import trusted_only
 from rematlab.hardware import device_peaks
 from rematlab.measure import DTYPES, Spec
+from rematlab.modelfile import check_archive, check_state
 
 CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
 CONFIG_CATEGORICAL = ["model", "strategy_kind", "dtype", "device", "optimizer"]
@@ -404,12 +405,14 @@ class Predictor:
     def load(cls, path: str | Path) -> Predictor:
         """Load a file written by `save`. Only the exact types `fit` writes are trusted
         (`SAVED_TYPES`); a file naming any other type is refused before anything in it is
-        constructed, because skops calls the types a file names while loading."""
+        constructed, because skops calls the types a file names while loading. Its size is
+        checked before and its structure after (`rematlab.modelfile`)."""
         import skops.io as sio
 
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"predictor file {p} not found")
+        check_archive(p)
         try:
             untrusted = sio.get_untrusted_types(file=str(p))
         except Exception as exc:  # zip, JSON and schema errors of a damaged file
@@ -420,11 +423,12 @@ class Predictor:
             raise ConfigError(f"predictor file {p} holds types we do not load: {unsafe}")
         try:
             state = sio.load(str(p), trusted=list(untrusted))
-            return cls(coverage=float(state["coverage"]), names_=dict(state["names"]),
-                       fitted_=dict(state["fitted"]), half_width_=dict(state["half_width"]))
         except Exception as exc:  # a well-formed skops file of another structure
             raise ConfigError(f"predictor file {p} is not a rematlab predictor "
                               f"({type(exc).__name__})") from None
+        check_state(p, state, MODELS)
+        return cls(coverage=state["coverage"], names_=state["names"], fitted_=state["fitted"],
+                   half_width_=state["half_width"])
 
 
 def predict(predictor: Predictor | str | Path, spec: Spec, device_name: str | None = None

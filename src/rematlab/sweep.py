@@ -28,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
+import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -91,12 +93,16 @@ class SweepResult:
         return df.loc[df[metric].idxmin() if mode == "min" else df[metric].idxmax()]
 
 
-def _serve(conn) -> None:
-    """A worker's loop: a configuration in, its result out, until the driver sends None."""
-    if sys.platform.startswith("linux"):  # die with the driver, never orphaned
+def _serve(conn, lifeline) -> None:
+    """A worker's loop: a configuration in, its result out, until the driver sends None.
+    The worker dies with the driver, never orphaned: the kernel kills it when its parent
+    dies (`PR_SET_PDEATHSIG`), and a thread kills it when the driver's end of `lifeline`
+    closes — the driver may die while the parent, the forkserver, lives on."""
+    if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    threading.Thread(target=_die_with_driver, args=(lifeline,), daemon=True).start()
     threads = torch.get_num_threads()  # a configuration without a setting gets the default
     try:
         while (job := conn.recv()) is not None:
@@ -109,6 +115,13 @@ def _serve(conn) -> None:
         pass
     finally:
         conn.close()
+
+
+def _die_with_driver(lifeline) -> None:
+    """Block until the driver's end of `lifeline` closes (it never writes), then die."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _context() -> mp.context.BaseContext:
@@ -130,13 +143,16 @@ class Worker:
     def __init__(self) -> None:
         self.proc: mp.process.BaseProcess | None = None
         self.conn = None
+        self.lifeline = None  # only this process holds it: the worker dies when it closes
 
     def _start(self) -> None:
         ctx = _context()
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        watch, self.lifeline = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_serve, args=(child, watch), daemon=True)
         self.proc.start()
         child.close()
+        watch.close()
 
     def run(self, spec: Spec, timeout: float, reference: float | None = None,
             settle_s: float = 0.0) -> dict:
@@ -173,6 +189,7 @@ class Worker:
             proc.kill()
         proc.join()
         self.conn.close()
+        self.lifeline.close()
         return proc.exitcode
 
 
