@@ -84,6 +84,8 @@ dtypes = ["float32"]
 devices = ["cpu"]
 optimizers = ["momentum"]
 repeats = 1
+max_wait_s = 5          # CI's machine may be busy: wait a little for quiet, then move on
+max_wait_total_s = 60
 [[models]]
 name = "mlp3"
 [[models]]

@@ -94,6 +94,8 @@ CASES = [
     ("sweep", ["quick", "--db", "{d}/foreign.duckdb"], "not a rematlab database"),
     ("sweep", ["quick", "--db", "{d}/garbage.duckdb"], "database"),
     ("sweep", ["quick", "--backend", "slurm"], "backend"),
+    ("sweep", ["quick", "--dry-run", "--max-wait", "-1"], "max_wait_s"),
+    ("sweep", ["quick", "--dry-run", "--max-wait-total", "inf"], "max_wait_total_s"),
     # export / stats / fit on damaged, foreign and missing databases
     ("export", ["--db", "{d}/garbage.duckdb", "--out", "{d}/x.parquet"], "database"),
     ("export", ["--db", "{d}/foreign.duckdb", "--out", "{d}/x.parquet"], "not a rematlab"),

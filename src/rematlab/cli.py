@@ -328,6 +328,11 @@ def sweep_cmd(
     backend: Annotated[str, typer.Option(help="local or ray")] = "local",
     ray_address: Annotated[str | None, typer.Option(help="existing Ray cluster")] = None,
     dry_run: Annotated[bool, typer.Option(help="print the expansion, run nothing")] = False,
+    max_wait: Annotated[float | None, typer.Option(
+        help="seconds one configuration may wait for a quiet machine (grid: max_wait_s)")]
+    = None,
+    max_wait_total: Annotated[float | None, typer.Option(
+        help="seconds the whole sweep may wait for quiet (grid: max_wait_total_s)")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Run a grid of configurations into the dataset (resumable)."""
@@ -335,7 +340,7 @@ def sweep_cmd(
     from rematlab.hardware import estimate_seconds
     from rematlab.sweep import resume_hint
 
-    spec_grid = load_grid(grid)
+    spec_grid = load_grid(grid, max_wait_s=max_wait, max_wait_total_s=max_wait_total)
     if dry_run:
         specs = spec_grid.expand()
         seconds = estimate_seconds(specs)
@@ -353,6 +358,7 @@ def sweep_cmd(
                      "harness_overhead": result.harness_overhead,
                      "untrusted": result.untrusted, "remeasured": result.remeasured,
                      "remeasured_trusted": result.settled,
+                     "waited_s": result.waited_s, "wait_bound_reached": result.wait_spent,
                      "interrupted": result.interrupted, "retried_errors": result.retried,
                      "stale_sweeps_marked_interrupted": result.stale})
     else:
@@ -368,6 +374,12 @@ def sweep_cmd(
             console.print(f"{result.remeasured} configuration(s) timed while the machine was "
                           f"busy were measured again once it was quiet: {result.settled} "
                           "trusted the second time")
+        if result.waited_s:
+            console.print(f"waited {result.waited_s:.1f} s for a quiet machine (bounds: "
+                          f"{spec_grid.max_wait_s:g} s a configuration, "
+                          f"{spec_grid.max_wait_total_s:g} s the sweep"
+                          + ("; reached: the rest ran without waiting" if result.wait_spent
+                             else "") + ")")
         if result.untrusted:
             console.print(f"{result.untrusted} configuration(s) timed while other processes "
                           "loaded the machine (the guard's evidence is in each row): "
@@ -495,10 +507,15 @@ def fit(
     predictor, table, data = fit_and_evaluate(load(db, "config_summary"), out,
                                               untrusted=include_untrusted)
     left_out = data.attrs.get("untrusted_left_out", 0)
+    used = data.attrs.get("untrusted_used", 0)
+    if used:
+        sys.stderr.write(f"warning: too few trusted configurations to fit; {used} timed on a "
+                         "busy machine are used too\n")
     if as_json:
         _print_json({"evaluation": table.to_dict(orient="records"),
                      "models": predictor.names_, "predictor": str(out),
-                     "configurations": len(data), "untrusted_left_out": left_out})
+                     "configurations": len(data), "untrusted_left_out": left_out,
+                     "untrusted_used": used})
         return
     view = Table(title=f"evaluation on {len(data)} configurations (one row per model)"
                  + (f"; {left_out} left out as untrusted" if left_out else ""))

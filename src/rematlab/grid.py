@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -25,6 +25,7 @@ from pydantic import (
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError
+from rematlab.guard import MAX_WAIT_S
 from rematlab.measure import (
     DTYPES,
     INT32_MAX,
@@ -42,6 +43,7 @@ BUILTIN = Path(__file__).parent / "grids"
 
 MAX_CONFIGS = 20_000  # a grid larger than this needs `max_configs` raised in the file
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds
+MAX_WAIT_TOTAL_S = 600.0  # a sweep waits at most this long for quiet in all (the default)
 
 Batch = Annotated[int, Field(gt=0, le=INT32_MAX)]
 
@@ -105,6 +107,10 @@ class Grid(BaseModel):
     max_memory: StrictStr | StrictInt | None = None
     threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     max_configs: int = Field(default=MAX_CONFIGS, ge=1)
+    # waiting for a quiet host (`rematlab.guard`): per configuration, and for the whole sweep
+    max_wait_s: float = Field(default=MAX_WAIT_S, ge=0, le=MAX_TIMEOUT, allow_inf_nan=False)
+    max_wait_total_s: float = Field(default=MAX_WAIT_TOTAL_S, ge=0, le=MAX_TIMEOUT,
+                                    allow_inf_nan=False)
 
     @field_validator("batches", "strategies", "dtypes", "devices", "optimizers")
     @classmethod
@@ -182,8 +188,10 @@ class Grid(BaseModel):
         return specs
 
 
-def load_grid(path: str | Path) -> Grid:
-    """Read and validate a grid file; `quick` and `seed-study` name the shipped grids."""
+def load_grid(path: str | Path, **overrides: Any) -> Grid:
+    """Read and validate a grid file; `quick` and `seed-study` name the shipped grids.
+    `overrides` (top-level fields, e.g. `max_wait_s`) replace the file's values, validated
+    like them; `None` leaves a field as the file has it."""
     p = Path(path)
     if not p.suffix and not p.exists():
         p = BUILTIN / f"{path}.toml"
@@ -196,6 +204,7 @@ def load_grid(path: str | Path) -> Grid:
         raise ConfigError(f"grid file {p}: malformed TOML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read grid file {p}: {type(exc).__name__}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         grid = Grid.model_validate(data)
     except ValidationError as exc:

@@ -46,6 +46,7 @@ LOAD = 0.15  # other processes took more than this share of our CPUs' time: dist
 NOISY = 0.10  # step-time IQR / median above this: too noisy to conclude from
 RETRIES = 2
 BACKOFF_S = 1.0
+MAX_WAIT_S = 30.0  # seconds one configuration may spend waiting for a quiet host
 POLL_S = 0.25  # the window in which the host must be quiet before a repeat is run again
 
 
@@ -140,18 +141,23 @@ class Evidence:
     load: float | None
     trusted: bool
     reference_s: float
+    waited_s: float = 0.0
 
     def columns(self) -> dict[str, float | int | bool | None]:
         return {"attempts": self.attempts, "calibration_drift": self.drift,
                 "step_spread": self.spread, "foreign_load": self.load,
-                "trusted": self.trusted, "calibration_reference_s": self.reference_s}
+                "trusted": self.trusted, "calibration_reference_s": self.reference_s,
+                "waited_s": self.waited_s}
 
 
 @dataclass
 class Guard:
     """The policy: thresholds, the number of re-measurements (`retries` per repeat, at
-    most) and their back-off, and the quiet reference known so far (`None`: the fastest
-    calibration this process has seen)."""
+    most) and their back-off, the most seconds one configuration may wait for a quiet host
+    (`max_wait_s`: once spent, disturbed repeats are kept and the configuration is flagged
+    untrusted, so a machine that never gets quiet costs a bounded time), and the quiet
+    reference known so far (`None`: the fastest calibration this process has seen).
+    `waited_s` counts the seconds waited so far."""
 
     drift: float = DRIFT
     noisy: float = NOISY
@@ -160,6 +166,8 @@ class Guard:
     backoff_s: float = BACKOFF_S
     reference: float | None = None
     settle_s: float = 0.0  # wait up to this long for a quiet host before the first repeat
+    max_wait_s: float = MAX_WAIT_S
+    waited_s: float = 0.0
     sleep: Callable[[float], None] = time.sleep
     host: Callable[[], HostLoad] = HostLoad
 
@@ -172,23 +180,29 @@ class Guard:
                 f"IQR exceeds {self.noisy:.0%} of the median, is measured again once a "
                 f"{POLL_S:g} s window of the host is quiet (waiting at most {self.backoff_s:g} "
                 f"s, doubling to {4 * self.backoff_s:g} s), at most {self.retries} times per "
-                f"repeat")
+                f"repeat and {self.max_wait_s:g} s of waiting per configuration")
 
     def wait_quiet(self, limit_s: float) -> bool:
         """Watch the host in `POLL_S` windows until one shows other processes below the
-        load threshold, for at most `limit_s`: whether it became quiet. Without `/proc`
-        there is nothing to watch, and the guard simply waits `limit_s`."""
-        for _ in range(max(1, math.ceil(limit_s / POLL_S))):
+        load threshold, for at most `limit_s` (and what is left of `max_wait_s`): whether it
+        became quiet. Without `/proc` there is nothing to watch, and the guard simply
+        waits."""
+        limit_s = min(limit_s, self.max_wait_s - self.waited_s)
+        for _ in range(math.ceil(limit_s / POLL_S) if limit_s > 0 else 0):
             host = self.host()
             host.start()
-            self.sleep(POLL_S)
+            self._wait(POLL_S)
             load = host.stop()
             if load is None:
-                self.sleep(max(0.0, limit_s - POLL_S))
+                self._wait(max(0.0, limit_s - POLL_S))
                 return False
             if load <= self.load:
                 return True
         return False
+
+    def _wait(self, seconds: float) -> None:
+        self.sleep(seconds)
+        self.waited_s += seconds
 
     def disturbed(self, sample: Sample, reference: float) -> bool:
         return sample.drift(reference) > self.drift or (
@@ -215,7 +229,8 @@ class Guard:
                 sample.load = host.stop()
                 measured.append(sample)
                 reference = self._reference(key, sample.calibration)
-                if self.disturbed(sample, reference) and redone < budget:
+                if (self.disturbed(sample, reference) and redone < budget
+                        and self.waited_s < self.max_wait_s):
                     redone += 1
                     self.wait_quiet(self.backoff_s * 2 ** min(redone - 1, 2))
                     continue
@@ -232,7 +247,8 @@ class Guard:
         return kept, measured, Evidence(
             attempts=len(measured), spread=spread(kept),
             drift=float(np.median([s.drift(reference) for s in kept])),
-            load=max(loads) if loads else None, trusted=trusted, reference_s=reference)
+            load=max(loads) if loads else None, trusted=trusted, reference_s=reference,
+            waited_s=self.waited_s)
 
     def _reference(self, key: tuple, calibration: float) -> float:
         seen = min(calibration, _FASTEST.get(key, math.inf),

@@ -44,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab import strategies, zoo
 from rematlab.exceptions import ConfigError, SimulatedOOM
-from rematlab.guard import NOISY, Calibration, Evidence, Guard, Sample
+from rematlab.guard import MAX_WAIT_S, NOISY, Calibration, Evidence, Guard, Sample
 from rematlab.layers import remat_of
 from rematlab.probes import Clock, MemoryProbe, StepMemory, clock_for, storage_key
 from rematlab.steps import (
@@ -557,15 +557,17 @@ def _figures(s: _Setup) -> dict[str, float]:
     }
 
 
-def run_config(spec_dict: dict, reference: float | None = None, settle_s: float = 0.0
-               ) -> dict:
+def run_config(spec_dict: dict, reference: float | None = None, settle_s: float = 0.0,
+               max_wait_s: float = MAX_WAIT_S) -> dict:
     """Measure one configuration in whatever process calls this (a sweep's worker process, a
     Ray task) -> its rows and measured seconds; a bad spec is a recorded `error` row.
     `reference`: the quietest calibration the sweep has seen on this device (seconds);
-    `settle_s`: how long to wait for a quiet host before timing (a second attempt)."""
+    `settle_s`: how long to wait for a quiet host before timing (a second attempt);
+    `max_wait_s`: the most this configuration may wait for quiet in all."""
     spec = Spec.from_dict(spec_dict)
     try:
-        obs = measure(spec, guard=Guard(reference=reference, settle_s=settle_s))
+        obs = measure(spec, guard=Guard(reference=reference, settle_s=settle_s,
+                                        max_wait_s=max_wait_s))
     except ConfigError as exc:
         return {"rows": [failed_row(spec, "error", str(exc))], "measured_s": 0.0}
     return {"rows": obs.rows(), "measured_s": obs.measured_seconds}

@@ -18,6 +18,7 @@ repeats of one configuration never straddle train and test).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import cache
@@ -52,6 +53,7 @@ ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_larges
             "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
             "log_peak_flops", "log_bandwidth", "log_input_bytes"]
 MIN_FIT = 10  # configurations: five folds of two
+_log = logging.getLogger("rematlab")
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 # The types beyond skops' defaults that a fitted predictor holds: our estimators and the tree
 # structures of the boosting and random-forest models. An exact list, never a prefix: a
@@ -148,16 +150,26 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
 def dataset(summary: pd.DataFrame, untrusted: bool = False) -> pd.DataFrame:
     """Features and targets of every `ok` configuration of a `config_summary` frame whose
     timings the interference guard trusted (all of them with `untrusted`); how many were left
-    out is in the frame's `attrs["untrusted_left_out"]`."""
-    dropped = 0
+    out is in the frame's `attrs["untrusted_left_out"]`.
+
+    When fewer than `MIN_FIT` are trusted but enough were measured (a busy machine), the
+    untrusted ones are used too rather than failing: `attrs["untrusted_used"]` counts them,
+    and a warning says so on the `rematlab` logger."""
+    dropped, used = 0, 0
     if not untrusted:
-        summary, dropped = trusted_only(summary)
+        trusted, dropped = trusted_only(summary)
+        if (trusted["outcome"] == "ok").sum() >= MIN_FIT:
+            summary = trusted
+        else:
+            used, dropped = dropped, 0
+            if used:
+                _log.warning("only %d trusted ok configurations, fewer than the %d a fit needs: "
+                             "using %d the guard did not trust (timed on a busy machine)",
+                             (trusted["outcome"] == "ok").sum(), MIN_FIT, used)
     ok = summary[summary["outcome"] == "ok"].reset_index(drop=True)
     if len(ok) < MIN_FIT:
         raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit predictors, the "
-                          f"dataset has {len(ok)}" + (f" ({dropped} more left out as untrusted: "
-                                                      "--include-untrusted uses them)"
-                                                      if dropped else ""))
+                          f"dataset has {len(ok)}")
     rows = []
     for _, r in ok.iterrows():
         shape = tuple(int(v) for v in str(r["cfg_input_shape"]).split(",")) if isinstance(
@@ -172,6 +184,7 @@ def dataset(summary: pd.DataFrame, untrusted: bool = False) -> pd.DataFrame:
         rows.append(f)
     data = pd.DataFrame(rows)
     data.attrs["untrusted_left_out"] = dropped
+    data.attrs["untrusted_used"] = used
     return data
 
 

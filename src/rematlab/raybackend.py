@@ -13,11 +13,13 @@ import os
 from collections.abc import Callable
 
 from rematlab.exceptions import ConfigError
+from rematlab.guard import MAX_WAIT_S
 from rematlab.measure import Spec, failed_row, run_config
 
 
 def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
-               address: str | None = None, settle_s: float = 0.0) -> None:
+               address: str | None = None, settle_s: float = 0.0,
+               max_wait_s: float = MAX_WAIT_S) -> None:
     try:
         import ray
     except ImportError:
@@ -37,7 +39,8 @@ def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict],
                 options = {"num_gpus": 1, "num_cpus": 1}
             else:
                 options = {"num_cpus": min(spec.threads or node_cpus, node_cpus)}
-            pending[remote.options(**options).remote(spec.to_dict(), None, settle_s)] = spec
+            pending[remote.options(**options).remote(spec.to_dict(), None, settle_s,
+                                                             max_wait_s)] = spec
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
             if not ready:  # nothing finished within a timeout: cancel the oldest

@@ -24,7 +24,7 @@ import pandas as pd
 from rematlab.exceptions import ConfigError, StoreLockedError
 from rematlab.files import atomic_path, refuse_overwriting_inputs
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Column name -> DuckDB type. Order is the table's column order.
 RUN_COLUMNS: dict[str, str] = {
@@ -47,7 +47,7 @@ RUN_COLUMNS: dict[str, str] = {
     "method_saved": "VARCHAR", "method_guard": "VARCHAR",
     "calibration_s": "DOUBLE", "attempts": "INTEGER", "calibration_drift": "DOUBLE",
     "step_spread": "DOUBLE", "foreign_load": "DOUBLE", "trusted": "BOOLEAN",
-    "calibration_reference_s": "DOUBLE",
+    "calibration_reference_s": "DOUBLE", "waited_s": "DOUBLE",
     "device_name": "VARCHAR", "vendor": "VARCHAR", "cuda_version": "VARCHAR",
     "rocm_version": "VARCHAR", "torch_version": "VARCHAR", "cpu_model": "VARCHAR",
     "threads": "INTEGER", "host": "VARCHAR", "timestamp": "VARCHAR",
@@ -58,7 +58,7 @@ RUN_COLUMNS: dict[str, str] = {
 GUARD_COLUMNS = ("method_guard", "calibration_s", "attempts", "calibration_drift",
                  "step_spread", "foreign_load", "trusted", "calibration_reference_s")
 _V1_COLUMNS = [k for k in RUN_COLUMNS
-               if k not in ("reserved_bytes", "steps_per_repeat", *GUARD_COLUMNS)]
+               if k not in ("reserved_bytes", "steps_per_repeat", "waited_s", *GUARD_COLUMNS)]
 
 _SUMMARY_FIGURES = ("step_s", "forward_s", "backward_s", "recompute_s", "optimizer_s",
                     "peak_bytes")
@@ -85,6 +85,10 @@ MIGRATIONS: dict[int, list[str]] = {
     2: [*(f"ALTER TABLE runs ADD COLUMN {k} {RUN_COLUMNS[k]}" for k in GUARD_COLUMNS),
         "ALTER TABLE sweeps ADD COLUMN harness_overhead DOUBLE",
         "UPDATE sweeps SET harness_overhead = 1 - measured_s / wall_s WHERE wall_s > 0"],
+    # v4: seconds the guard waited for a quiet host, per configuration and per sweep (the
+    # cost of a busy machine, bounded by the grid's max_wait_s and max_wait_total_s)
+    3: ["ALTER TABLE runs ADD COLUMN waited_s DOUBLE",
+        "ALTER TABLE sweeps ADD COLUMN waited_s DOUBLE"],
 }
 
 
@@ -202,7 +206,7 @@ class Store:
             f"any_value(trusted) AS trusted, any_value(attempts) AS attempts, "
             f"any_value(foreign_load) AS foreign_load, "
             f"any_value(calibration_drift) AS calibration_drift, "
-            f"any_value(step_spread) AS step_spread, "
+            f"any_value(step_spread) AS step_spread, any_value(waited_s) AS waited_s, "
             f"{figures}, count(step_s) AS n FROM runs GROUP BY config_id, {keys}")
 
     def done(self) -> set[str]:
@@ -259,13 +263,15 @@ class Store:
                          "status) VALUES (?, ?, ?, now(), ?, 'running')",
                          [sweep_id, grid, backend, configs])
 
-    def finish_sweep(self, sweep_id: str, wall_s: float, measured_s: float, status: str) -> None:
-        """Close a sweep's row: its wall time, the time inside measured steps, and the
-        harness overhead (the share of wall time outside them)."""
+    def finish_sweep(self, sweep_id: str, wall_s: float, measured_s: float, status: str,
+                     waited_s: float = 0.0) -> None:
+        """Close a sweep's row: its wall time, the time inside measured steps, the harness
+        overhead (the share of wall time outside them) and the time spent waiting for a
+        quiet host."""
         overhead = harness_overhead(measured_s, wall_s)
         self.con.execute("UPDATE sweeps SET finished_at = now(), wall_s = ?, measured_s = ?, "
-                         "status = ?, harness_overhead = ? WHERE sweep_id = ?",
-                         [wall_s, measured_s, status, overhead, sweep_id])
+                         "status = ?, harness_overhead = ?, waited_s = ? WHERE sweep_id = ?",
+                         [wall_s, measured_s, status, overhead, waited_s, sweep_id])
 
     def calibration_references(self, host: str) -> dict[tuple[str, int], float]:
         """The fastest calibration stored per (device, threads) on `host`: where a resumed

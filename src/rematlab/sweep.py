@@ -45,6 +45,7 @@ import torch
 
 from rematlab.exceptions import ConfigError
 from rematlab.grid import Grid
+from rematlab.guard import MAX_WAIT_S
 from rematlab.measure import Spec, available, failed_row, parse_device, run_config
 from rematlab.store import Store, config_id, harness_overhead
 
@@ -68,6 +69,8 @@ class SweepResult:
     untrusted: int = 0  # ok, but timed while the machine was busy (`rematlab.guard`)
     remeasured: int = 0  # untrusted configurations measured a second time
     settled: int = 0  # of which the second attempt was trusted (and replaced the first)
+    waited_s: float = 0.0  # waiting for a quiet host, in all (bounded by the grid)
+    wait_spent: bool = False  # the sweep's bound on waiting was reached: no more waits
 
     @property
     def harness_overhead(self) -> float:
@@ -155,14 +158,14 @@ class Worker:
         watch.close()
 
     def run(self, spec: Spec, timeout: float, reference: float | None = None,
-            settle_s: float = 0.0) -> dict:
+            settle_s: float = 0.0, max_wait_s: float = MAX_WAIT_S) -> dict:
         """`run_config` in the worker; a timeout or a crash becomes an `error` row (a death
         by SIGKILL, the kernel's OOM killer, an `oom` row) and ends the worker."""
         if self.proc is None:
             self._start()
         hung = False
         try:
-            self.conn.send((spec.to_dict(), reference, settle_s))
+            self.conn.send((spec.to_dict(), reference, settle_s, max_wait_s))
             if self.conn.poll(timeout):
                 result = self.conn.recv()
             else:
@@ -194,11 +197,11 @@ class Worker:
 
 
 def run_isolated(spec: Spec, timeout: float, reference: float | None = None,
-                 settle_s: float = 0.0) -> dict:
+                 settle_s: float = 0.0, max_wait_s: float = MAX_WAIT_S) -> dict:
     """`run_config` in a fresh worker of its own, stopped afterwards."""
     worker = Worker()
     try:
-        return worker.run(spec, timeout, reference, settle_s)
+        return worker.run(spec, timeout, reference, settle_s, max_wait_s)
     finally:
         worker.close()
 
@@ -245,16 +248,20 @@ def sweep(
                                out["rows"], out["measured_s"])
             outcome = out["rows"][0]["outcome"]
             note_reference(spec, out)
+            note_wait(out)
             result.outcomes[outcome] += 1
             result.measured_s += out["measured_s"]
             if progress:
-                progress(spec, outcome, result.skipped + len(result), result.total)
+                busy = outcome == "ok" and out["rows"][0].get("trusted") is False
+                progress(spec, "untrusted (busy machine)" if busy else outcome,
+                         result.skipped + len(result), result.total)
 
         def record_again(spec: Spec, out: dict) -> None:
             """A second attempt replaces the first only when the guard trusted it."""
             result.remeasured += 1
             result.measured_s += out["measured_s"]
             note_reference(spec, out)
+            note_wait(out)
             trusted = out["rows"][0].get("trusted") is True
             if trusted:
                 store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
@@ -271,6 +278,14 @@ def sweep(
                 references[key] = min(references.get(key, math.inf),
                                       first["calibration_reference_s"])
 
+        def note_wait(out: dict) -> None:
+            result.waited_s += out["rows"][0].get("waited_s") or 0.0
+            result.wait_spent = result.waited_s >= grid.max_wait_total_s
+
+        def wait_left() -> float:
+            """What the next configuration may wait: its own bound, within the sweep's."""
+            return max(0.0, min(grid.max_wait_s, grid.max_wait_total_s - result.waited_s))
+
         def untrusted() -> list[Spec]:
             ids = store.untrusted()
             return [s for s in specs if config_id(s.to_dict()) in ids]
@@ -281,10 +296,11 @@ def sweep(
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         status = "failed"
         try:
-            run_all(todo, grid.timeout, record, 0.0, references, backend, ray_address)
-            if remeasure:
+            run_all(todo, grid.timeout, record, 0.0, references, backend, ray_address,
+                    wait_left)
+            if remeasure and not result.wait_spent:
                 run_all(untrusted(), grid.timeout, record_again, SETTLE_S, references,
-                        backend, ray_address)
+                        backend, ray_address, wait_left)
             status = "complete"
         except KeyboardInterrupt:
             result.interrupted = True
@@ -293,7 +309,8 @@ def sweep(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             result.wall_s = time.perf_counter() - start
-            store.finish_sweep(sweep_id, result.wall_s, result.measured_s, status)
+            store.finish_sweep(sweep_id, result.wall_s, result.measured_s, status,
+                               result.waited_s)
             result.untrusted = len(untrusted())
     finally:
         store.close()
@@ -302,21 +319,26 @@ def sweep(
 
 def run_all(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
             settle_s: float, references: dict[tuple[str, int], float], backend: str,
-            ray_address: str | None) -> None:
-    """Measure `specs` one at a time on `backend`, handing each result to `record`."""
+            ray_address: str | None, wait_left: Callable[[], float]) -> None:
+    """Measure `specs` one at a time on `backend`, handing each result to `record`; each
+    configuration may wait `wait_left()` seconds for a quiet host (Ray runs them at once:
+    each gets the bound the first one had)."""
     if backend == "ray":
         from rematlab.raybackend import run_on_ray
 
-        run_on_ray(specs, timeout, record, address=ray_address, settle_s=settle_s)
+        run_on_ray(specs, timeout, record, address=ray_address, settle_s=settle_s,
+                   max_wait_s=wait_left())
         return
     warm = Worker()
     try:
         for spec in specs:
             reference = references.get((spec.device, spec.threads or torch.get_num_threads()))
+            wait = wait_left()
+            settle = min(settle_s, wait)
             if spec.device.startswith("cuda"):
-                record(spec, run_isolated(spec, timeout, reference, settle_s))
+                record(spec, run_isolated(spec, timeout, reference, settle, wait))
             else:
-                record(spec, warm.run(spec, timeout, reference, settle_s))
+                record(spec, warm.run(spec, timeout, reference, settle, wait))
     finally:
         warm.close()
 
