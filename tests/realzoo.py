@@ -10,6 +10,8 @@ from transformers import (
     BertForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -29,6 +31,14 @@ def qwen2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, di
                       max_position_embeddings=max(64, seq), attn_implementation="eager")
     ids = torch.randint(0, 97, (batch, seq))
     return Qwen2ForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def llama(batch: int = 4, seq: int = 32, layers: int = 2) -> tuple[nn.Module, dict]:
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                      max_position_embeddings=max(64, seq), attn_implementation="eager")
+    ids = torch.randint(0, 97, (batch, seq))
+    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
 def bert(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:

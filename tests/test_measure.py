@@ -1,4 +1,5 @@
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,7 +199,7 @@ def test_host_load_sees_a_busy_process_beside_this_one():
         pytest.skip("no /proc here")
 
     def ticks(pid: int) -> int:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])  # utime + stime
 
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"

@@ -185,6 +185,11 @@ def test_a_killed_writer_leaves_the_old_file_intact(tmp_path):
     proc.wait(timeout=30)
     time.sleep(0.1)
     assert target.read_bytes() == b"old predictor"
+    orphans = list(tmp_path.glob(".predictor.*"))
+    assert len(orphans) == 1  # the killed writer's half file, hidden beside the target
+    write_atomic(target, lambda tmp: tmp.write_bytes(b"new predictor"))
+    assert target.read_bytes() == b"new predictor"
+    assert list(tmp_path.glob(".predictor.*")) == []  # the next write cleaned it up
 
 
 def test_dataset_leaves_out_what_the_guard_did_not_trust_and_says_how_many():

@@ -56,7 +56,13 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
     monkeypatch.setattr(rematlab.predictor, "evaluate", fail)
     monkeypatch.setattr(study_mod, "_plan_stage", fail)
     monkeypatch.setattr(study_mod, "_batch_stage", fail)
+    first = md.read_text().splitlines()
     run_study(settings, say=said.append)
+    # the rerun measured nothing: the report gives the sweep that did, and says so
+    line = next(ln for ln in md.read_text().splitlines() if ln.startswith("Sweep wall time"))
+    assert line.split(";")[0] in first[next(i for i, ln in enumerate(first)
+                                            if ln.startswith("Sweep wall time"))]
+    assert "reused every stored configuration" in line and "overhead 100%" not in line
 
 
 def test_study_cli_rejects_a_bad_grid_with_exit_status_2(tmp_path):

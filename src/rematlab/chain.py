@@ -131,7 +131,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     code, so memory comes from the allocator and saved-tensor hooks alone, and FLOPs are
     left to the eager profile."""
     if compile:
-        run = compiled(block)
+        run = compiled(run or block)
         for _ in range(2):  # compile forward and backward outside the measurement
             out = run(x_in)
             if out.requires_grad:
@@ -204,9 +204,9 @@ def compiling() -> Iterator[None]:
         yield
 
 
-def compiled(module: nn.Module) -> nn.Module:
+def compiled(fn: Callable) -> Callable:
     """`torch.compile` with static shapes: a plan is made for one input shape."""
-    return torch.compile(module, dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
 def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,

@@ -413,12 +413,24 @@ def run_sweep(spec_grid, db: Path, backend: str, ray_address: str | None, label:
 
     counts: Counter = Counter()
     stderr = Console(stderr=True)
+
+    def tally(outcome: str) -> None:
+        """Count a result: untrusted ones are ok results timed on a busy machine; second
+        attempts (`re-measured, trusted`, `still untrusted`) change no count."""
+        if outcome.startswith("untrusted"):
+            counts["ok"] += 1
+            counts["untrusted"] += 1
+        elif outcome in ("ok", "oom", "error"):
+            counts[outcome] += 1
+
+    def tallied() -> str:
+        busy = f", {counts['untrusted']} untrusted: busy machine" if counts["untrusted"] else ""
+        return f"ok {counts['ok']}{busy} oom {counts['oom']} error {counts['error']}"
     if not stderr.is_terminal:  # logs on a cluster: one line per configuration
         def log(spec, outcome: str, done: int, total: int) -> None:
-            counts[outcome] += 1
+            tally(outcome)
             sys.stderr.write(f"[{done}/{total}] {outcome} {spec.model} b{spec.batch} "
-                             f"{spec.strategy} {spec.device} (ok {counts['ok']} oom "
-                             f"{counts['oom']} error {counts['error']})\n")
+                             f"{spec.strategy} {spec.device} ({tallied()})\n")
             sys.stderr.flush()
 
         return sweep(spec_grid, db, backend=backend, ray_address=ray_address, progress=log,
@@ -429,10 +441,10 @@ def run_sweep(spec_grid, db: Path, backend: str, ray_address: str | None, label:
         task = bar.add_task("sweep", total=None, counts="")
 
         def progress(spec, outcome: str, done: int, total: int) -> None:
-            counts[outcome] += 1
+            tally(outcome)
             bar.update(task, completed=done, total=total,
                        description=f"{spec.model} b{spec.batch} {spec.strategy}",
-                       counts=f"ok {counts['ok']} oom {counts['oom']} error {counts['error']}")
+                       counts=tallied())
 
         return sweep(spec_grid, db, backend=backend, ray_address=ray_address,
                      progress=progress, grid_label=label)

@@ -9,6 +9,7 @@ that is also one of the command's inputs is refused before anything runs.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +37,9 @@ def atomic_path(out: str | Path) -> Iterator[Path]:
     if parent.exists() and not parent.is_dir():
         raise ConfigError(f"cannot write {out}: {parent} is not a directory")
     parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=f".tmp{target.suffix}", dir=parent)
+    _remove_orphans(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.{os.getpid()}.",
+                               suffix=f".tmp{target.suffix}", dir=parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -44,6 +47,26 @@ def atomic_path(out: str | Path) -> Iterator[Path]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _remove_orphans(target: Path) -> None:
+    """Remove temporary files beside `target` left by a writer that was killed (its process
+    id, in the name, is gone); a live writer's are left alone."""
+    for tmp in target.parent.glob(f".{glob.escape(target.stem)}.*.tmp{target.suffix}"):
+        pid = tmp.name[len(target.stem) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_atomic(out: str | Path, write: Callable[[Path], None]) -> Path:

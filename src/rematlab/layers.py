@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import statistics
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -60,6 +62,11 @@ from rematlab.steps import (
 )
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
+# The runner of the planned forward running now, for layer frames torch.compile traces:
+# dynamo cannot trace a ContextVar, and a compiled graph runs no Python, so a global set
+# while the planned forward runs (eager or traced) suffices there. Eager layers read the
+# ContextVar, which keeps threads apart.
+_TRACED: LayerRemat | None = None
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 _HOST = torch.device("cpu")
 
@@ -183,6 +190,13 @@ def capture(model: nn.Module, batch: Batch, layers: list[nn.Module]) -> list[Lay
 
 
 def _is_cache(value: Any) -> bool:
+    """A key/value cache: transformers' `Cache`, or any class named like one. Common
+    values are decided without walking the class hierarchy, which dynamo cannot trace."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return False
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is not None and isinstance(value, cache_utils.Cache):
+        return True
     return any(c.__name__.endswith("Cache") for c in type(value).__mro__)
 
 
@@ -255,8 +269,10 @@ class LayerRemat:
         finally:
             _ACTIVE.reset(token)
 
-    def run(self, layer: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    def run(self, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """`layer`'s own forward on `args`, checkpointed."""
         args, kwargs = _without_cache(args, kwargs)
+        forward = functools.partial(type(layer).forward, layer)
         hidden = next((t for t in tensors((args, kwargs)) if t.is_floating_point()), None)
         for hook in self.hooks:
             if hidden is not None:
@@ -279,17 +295,20 @@ class _LayerForward:
         return (_LayerForward, (self.layer,))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        plan, layer = _ACTIVE.get(), self.layer
-        forward = type(layer).forward.__get__(layer)
+        plan = _TRACED if torch.compiler.is_compiling() else _ACTIVE.get()
+        # the class's forward is called with the layer, never bound to a local: dynamo, at a
+        # graph break, rebuilds a bound method from the instance, whose `forward` is this
+        # object, and would recurse forever
+        layer = self.layer
         if plan is None or not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
+            return type(layer).forward(layer, *args, **kwargs)
         if plan.checkpoints(layer):
-            return plan.run(layer, forward, args, kwargs)
+            return plan.run(layer, args, kwargs)
         # a training step under a plan runs without key/value caches, kept layers too, as
         # transformers does under gradient checkpointing: a cache is for generation, and it
         # would hold every kept layer's keys and values until the output dies
         args, kwargs = _without_cache(args, kwargs)
-        return forward(*args, **kwargs)
+        return type(layer).forward(layer, *args, **kwargs)
 
 
 class _PlannedForward:
@@ -304,8 +323,15 @@ class _PlannedForward:
         return (_PlannedForward, (self.model, self.runner))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.runner.active():
-            return type(self.model).forward(self.model, *args, **kwargs)
+        global _TRACED
+        previous, _TRACED = _TRACED, self.runner
+        try:
+            if torch.compiler.is_compiling():
+                return type(self.model).forward(self.model, *args, **kwargs)
+            with self.runner.active():
+                return type(self.model).forward(self.model, *args, **kwargs)
+        finally:
+            _TRACED = previous
 
 
 def _install(layer: nn.Module) -> None:
@@ -339,9 +365,11 @@ def remat_of(model: nn.Module) -> Any:
 
 def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
                    loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
-                   repeats: int = 1) -> ChainCosts:
+                   repeats: int = 1, compile: bool = False) -> ChainCosts:
     """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring),
-    measured on the batch's device."""
+    measured on the batch's device; with `compile`, each layer's costs are those of the layer
+    compiled (what the model around it does is measured eager, and the plan's compiled step
+    is verified whole)."""
     calls = capture(model, batch, layers)
     rows = []
     device = next(tensors(batch)).device
@@ -355,7 +383,8 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
             return _output_tensor(layer(*args, **kwargs))
 
         with preserved(layer):
-            rows.append(profile_block(layer, x_in, repeats, run=run, others=lc.others()))
+            rows.append(profile_block(layer, x_in, repeats, run=run, others=lc.others(),
+                                      compile=compile))
     outer = outer_costs(model, batch, layers, loss_fn, repeats)
     x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
     state, transient = optimizer_memory(list(model.parameters()), optimizer)

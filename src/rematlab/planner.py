@@ -204,11 +204,12 @@ def prepare(
         runs_on(model, model, batch, type(model).__name__)
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":
-        if predict or compile:
+        if predict:
             raise ConfigError(f"{type(model).__name__} runs its own layer loop ({st.describe()}):"
-                              " its layers are profiled on the device, not predicted or compiled")
-        costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
-                               repeats=repeats)
+                              " its layers are profiled on the device, not predicted")
+        with compiling():
+            costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
+                                   optimizer=optimizer, repeats=repeats, compile=compile)
         solution = solve(costs, allowed=lambda s, k: single_layer(s, k, costs.n))
     else:
         if not isinstance(batch, torch.Tensor):
@@ -235,7 +236,8 @@ def plan(
     None) adds its state and step; `blocks` names the layers of a model that runs its own loop
     (see `rematlab.structure`); `device`; `loss_fn`; `predict` plans a chain from meta-device
     costs (FLOPs stand in for time) without running it; `verify=False` skips the
-    measurement; `compile` plans a chain for `torch.compile(apply(model, plan))`.
+    measurement; `compile` plans for `torch.compile(apply(model, plan))` (chains and
+    models that run their own layer loop).
     Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
     feasible budget.
     """
@@ -261,9 +263,17 @@ def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
 
 def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
                         batch: object, costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
-    """Measured peak of the user's step with `chosen` installed on the model's layers."""
+    """Measured peak of the user's step with `chosen` installed on the model's layers (the
+    whole model compiled if `chosen.compiled`, as `torch.compile(apply(model, plan))`)."""
     twin = attach(model, LayerRemat(layers, chosen))
-    return step_peak(model, twin, batch, costs.state, costs.optimizer_peak, loss_fn)
+    if not chosen.compiled:
+        return step_peak(model, twin, batch, costs.state, costs.optimizer_peak, loss_fn)
+    run = compiled(twin)
+    with compiling():
+        with preserved(model):  # compile forward and backward outside the measurement
+            step(run, batch, loss_fn)
+        return step_peak(model, run, batch, costs.state, costs.optimizer_peak, loss_fn,
+                         tensors_seen=False)
 
 
 def step_peak(owner: nn.Module, run: Callable, batch: object, state_bytes: int,

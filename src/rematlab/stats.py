@@ -144,14 +144,20 @@ def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
     (and the `runs` frame for repeat-level noise). `memory_cap`: one cap, or one per
     architecture, for the 'enables batch under cap' guideline. Configurations whose timings
     the interference guard did not trust are left out (and counted in the notes) unless
-    `untrusted`."""
+    `untrusted`, or unless no trusted one is left: a busy machine's dataset is analysed with
+    a note, not refused."""
     s = settings or Settings()
     notes = []
     if not untrusted:
-        summary, dropped = trusted_only(summary)
-        if dropped:
-            notes.append(f"{dropped} configurations left out: the interference guard did not "
-                         "trust their timings (see the trusted column)")
+        trusted, dropped = trusted_only(summary)
+        if not (trusted["outcome"] == "ok").any() and dropped:
+            notes.append(f"every ok configuration ({dropped}) was timed on a busy machine: "
+                         "all are used, and every result here is untrusted")
+        else:
+            summary = trusted
+            if dropped:
+                notes.append(f"{dropped} configurations left out: the interference guard did "
+                             "not trust their timings (see the trusted column)")
         if runs is not None:
             runs = runs[runs["config_id"].isin(summary["config_id"])]
     if not (summary["outcome"] == "ok").any():

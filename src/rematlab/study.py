@@ -65,6 +65,23 @@ def _fingerprint(db: Path) -> str:
     return hashlib.sha256("".join(ids).encode()).hexdigest()[:16]
 
 
+def _sweep_info(sweeps: pd.DataFrame) -> dict:
+    """Wall time and overhead of the latest completed sweep that measured configurations.
+    A rerun that found every configuration stored measured nothing: its own figures (0 s,
+    100 % overhead) say nothing, so the report gives the sweep that did the work and says
+    that this run reused it."""
+    completed = sweeps[sweeps["status"] == "complete"].sort_values("started_at")
+    worked = completed[completed["configs"] > 0]
+    if not len(worked):
+        return {}
+    last = worked.iloc[-1]
+    return {"wall_s": float(last["wall_s"] or 0), "measured_s": float(last["measured_s"] or 0),
+            "harness_overhead": float(last["harness_overhead"] or 0),
+            "waited_s": float(last.get("waited_s") or 0),
+            "started_at": str(last["started_at"])[:19],
+            "reused": bool(completed.iloc[-1]["sweep_id"] != last["sweep_id"])}
+
+
 def run_study(settings: StudySettings, say: Say = print,
               sweep_runner: Callable[[Grid, Path], object] | None = None) -> tuple[Path, Path]:
     """The whole study; returns the paths of report.html and report.md."""
@@ -89,13 +106,7 @@ def run_study(settings: StudySettings, say: Say = print,
         raise KeyboardInterrupt
     with Store(settings.db, read_only=True) as store:
         sweeps = store.frame("sweeps")
-    completed = sweeps[sweeps["status"] == "complete"]
-    sweep_info = {}
-    if len(completed):
-        last = completed.sort_values("started_at").iloc[-1]
-        sweep_info = {"wall_s": float(last["wall_s"] or 0),
-                      "measured_s": float(last["measured_s"] or 0),
-                      "harness_overhead": float(last["harness_overhead"] or 0)}
+    sweep_info = _sweep_info(sweeps)
     summary, runs = load(settings.db, "config_summary"), load(settings.db)
     sweep_info["untrusted"] = trusted_only(summary)[1]
     key = _fingerprint(settings.db)
