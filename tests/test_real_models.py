@@ -54,13 +54,14 @@ def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budge
     with pytest.raises(InfeasibleBudgetError) as err:
         rematlab.plan(model, batch, 1)
     floor = err.value.min_peak
-    full = rematlab.plan(model, batch, "100GiB").measured_peak
+    planning = rematlab.prepare(model, batch)  # profiled once, then any budget
+    full = planning.choose("100GiB").measured_peak
     assert floor < full
-    floor_plan = rematlab.plan(model, batch, floor)  # the floor is a budget
+    floor_plan = planning.choose(floor)  # the floor is a budget
     assert floor_plan.measured_peak <= floor
     for fraction in (0.0, 0.3, 0.7):
         budget = int(floor + fraction * (full - floor))
-        chosen = rematlab.plan(model, batch, budget)
+        chosen = planning.choose(budget)
         assert chosen.measured_peak <= budget
         remat = rematlab.apply(model, chosen, example_input=batch)
         state = {k: v.clone() for k, v in model.state_dict().items()}
