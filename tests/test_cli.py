@@ -130,3 +130,16 @@ def test_bad_input_for_a_real_model_is_one_line_and_exit_2(tmp_path, args, needl
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+
+
+def test_plan_with_several_budgets_profiles_once_and_never_gets_slower():
+    result = runner.invoke(app, ["plan", "--model", "lenet5", "--batch", "64", "--budgets",
+                                 "12MiB,16MiB,64MiB", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    plans = data["plans"]
+    assert [p["budget"] for p in plans] == [12 * 2**20, 16 * 2**20, 64 * 2**20]
+    assert all(p["measured_peak"] <= p["budget"] for p in plans)
+    overheads = [p["predicted_overhead"] for p in plans]
+    assert overheads == sorted(overheads, reverse=True)
+    assert data["curve"][-1]["overhead"] == 0.0 and len(data["curve"]) >= 2

@@ -351,20 +351,26 @@ name = "mlp3"
 """
 
 
-def _attempts(monkeypatch, trusted: dict[tuple[str, bool], bool]) -> list:
+def _attempts(monkeypatch, trusted: dict[tuple[str, bool], bool], waits: list | None = None,
+              waited: float = 0.0) -> list:
     """Make the warm worker's results come out trusted or not, by strategy and by whether
-    the attempt is a second one (settle_s > 0); returns the log of (strategy, settle_s)."""
+    the attempt is a second one (settle_s > 0), each having waited `waited` seconds for
+    quiet; returns the log of (strategy, settle_s), and logs each run's wait bound in
+    `waits`."""
     from rematlab.measure import run_config
     from rematlab.sweep import Worker
 
     calls = []
+    waits = [] if waits is None else waits
 
-    def run(self, spec, timeout, reference=None, settle_s=0.0):
+    def run(self, spec, timeout, reference=None, settle_s=0.0, max_wait_s=30.0):
         calls.append((spec.strategy, settle_s))
+        waits.append(max_wait_s)
         out = run_config(spec.to_dict())
         verdict = trusted[(spec.strategy, settle_s > 0)]
         for row in out["rows"]:
             row["trusted"], row["attempts"] = verdict, len(calls)
+            row["waited_s"] = waited
         return out
 
     monkeypatch.setattr(Worker, "run", run)
@@ -405,3 +411,22 @@ def test_a_second_attempt_still_untrusted_keeps_the_first_and_a_rerun_tries_agai
     assert again.remeasured == 1 and calls[-1][0] == "sqrt" and len(calls) == 4
     off = sweep(grid, db, remeasure=False)
     assert off.remeasured == 0 and len(calls) == 4 and off.untrusted == 1
+
+
+def test_waiting_for_quiet_is_bounded_per_configuration_and_per_sweep(tmp_path, monkeypatch):
+    body = TWO.replace('strategies = ["none", "sqrt"]',
+                       'strategies = ["none", "uniform:2", "sqrt"]\nmax_wait_s = 8\n'
+                       "max_wait_total_s = 12")
+    grid = load_grid(_grid(tmp_path, body=body))
+    db = tmp_path / "r.duckdb"
+    waits: list[float] = []
+    calls = _attempts(monkeypatch, {(s, again): False for s in ("none", "uniform:2", "sqrt")
+                                    for again in (False, True)}, waits, waited=8.0)
+    result = sweep(grid, db)
+    # each may wait its own 8 s, within what is left of the sweep's 12 s; then none at all,
+    # and no second attempts: every configuration is stored, untrusted, with its evidence
+    assert waits == [8.0, 4.0, 0.0] and len(calls) == 3
+    assert result.wait_spent and result.waited_s == pytest.approx(24.0)
+    assert result.untrusted == 3 and result.remeasured == 0 and result.outcomes["ok"] == 3
+    assert load(db, "sweeps")["waited_s"].iloc[-1] == pytest.approx(24.0)
+    assert set(load(db)["waited_s"]) == {8.0}

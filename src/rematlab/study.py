@@ -247,7 +247,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     from rematlab import zoo
     from rematlab.measure import Spec, measure
     from rematlab.planner import prepare
-    from rematlab.plans import none_plan, simulate
+    from rematlab.plans import none_plan, overhead, simulate
 
     device = torch.device(grid.devices[0])
     rows = []
@@ -287,7 +287,8 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
                          "predicted_peak": chosen.predicted_peak,
                          "measured_peak": obs.peak if obs.outcome == "ok" else None,
                          "within_budget": bool(obs.peak is not None and obs.peak <= budget),
-                         "predicted_overhead": chosen.predicted_time / full_time - 1.0,
+                         "predicted_overhead": overhead(chosen.predicted_time or 0.0,
+                                                       full_time),
                          "step_s": obs.median() if obs.outcome == "ok" else None,
                          # the best uniform count that fits the same budget (simulated)
                          "uniform": uniform["strategy"] if uniform else None,
