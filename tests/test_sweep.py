@@ -267,12 +267,10 @@ def test_ray_backend_on_a_local_instance(tmp_path):
     grid = load_grid(_grid(tmp_path, body=TINY.format(extra="").replace(
         "batches = [4, 8]", "batches = [4]")))
     db = tmp_path / "r.duckdb"
-    start = time.time()
     result = sweep(grid, db, backend="ray")
     assert result.outcomes["ok"] == 6, result.outcomes
     assert len(load(db)) == 12
     assert sweep(grid, db, backend="ray").skipped == 6
-    assert time.time() - start < 300
 
 
 def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps(tmp_path):

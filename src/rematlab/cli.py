@@ -424,8 +424,9 @@ def run_sweep(spec_grid, db: Path, backend: str, ray_address: str | None, label:
             counts[outcome] += 1
 
     def tallied() -> str:
-        busy = f", {counts['untrusted']} untrusted: busy machine" if counts["untrusted"] else ""
-        return f"ok {counts['ok']}{busy} oom {counts['oom']} error {counts['error']}"
+        busy = (f" ({counts['untrusted']} untrusted: busy machine)" if counts["untrusted"]
+                else "")
+        return f"ok {counts['ok']}{busy}, oom {counts['oom']}, error {counts['error']}"
     if not stderr.is_terminal:  # logs on a cluster: one line per configuration
         def log(spec, outcome: str, done: int, total: int) -> None:
             tally(outcome)

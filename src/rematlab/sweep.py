@@ -323,6 +323,8 @@ def run_all(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], No
     """Measure `specs` one at a time on `backend`, handing each result to `record`; each
     configuration may wait `wait_left()` seconds for a quiet host (Ray runs them at once:
     each gets the bound the first one had)."""
+    if not specs:  # nothing to run: start no worker, no Ray instance
+        return
     if backend == "ray":
         from rematlab.raybackend import run_on_ray
 
