@@ -25,20 +25,22 @@ def gpt2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dic
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
-def qwen2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
-    cfg = Qwen2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                      max_position_embeddings=max(64, seq), attn_implementation="eager")
+def _causal_lm(config_cls: type, model_cls: type, batch: int, seq: int, layers: int
+               ) -> tuple[nn.Module, dict]:
+    """A decoder with grouped-query attention (Qwen2, Llama) from a small config."""
+    cfg = config_cls(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                     max_position_embeddings=max(64, seq), attn_implementation="eager")
     ids = torch.randint(0, 97, (batch, seq))
-    return Qwen2ForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+    return model_cls(cfg), {"input_ids": ids, "labels": ids}
+
+
+def qwen2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
+    return _causal_lm(Qwen2Config, Qwen2ForCausalLM, batch, seq, layers)
 
 
 def llama(batch: int = 4, seq: int = 32, layers: int = 2) -> tuple[nn.Module, dict]:
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                      max_position_embeddings=max(64, seq), attn_implementation="eager")
-    ids = torch.randint(0, 97, (batch, seq))
-    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+    return _causal_lm(LlamaConfig, LlamaForCausalLM, batch, seq, layers)
 
 
 def bert(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:

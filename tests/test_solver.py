@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.plans import ChainCosts, Plan, Segment, need, simulate, uniform_plan
 from rematlab.solver import solve
 
@@ -120,3 +120,10 @@ def _no_package_init(code: str) -> str:
         "pkg.__path__ = list(spec.submodule_search_locations)\n"
         "sys.modules['rematlab'] = pkg\n" + code
     )
+
+
+def test_costs_that_admit_no_plan_are_a_clear_error_not_an_index_error():
+    costs = random_costs(3, seed=1)
+    costs.fwd_time[1] = float("nan")  # a broken profile: no plan has a finite time
+    with pytest.raises(ConfigError, match="admit no plan"):
+        solve(costs).plan_for(10**6)

@@ -110,10 +110,7 @@ class Planning:
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + slack))]
         if not self.verify:
-            fits = [p for p in pool if (p.predicted_peak or 0) <= limit]
-            if not fits:
-                raise InfeasibleBudgetError(limit, self.floor)
-            return self._named(fits[-1], name, limit)
+            return self._named(self.solution.plan_for(limit), name, limit)
         skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
         tried = 0
         for candidate in reversed(pool):

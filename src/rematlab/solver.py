@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.plans import (
     ChainCosts,
     Item,
@@ -66,6 +66,9 @@ class Solution:
             if items not in found:
                 mem, time = need(items, c.n, True, c)
                 found[items] = (step_peak(c, mem), time)
+        if not found:  # costs no plan can meet (negative or inconsistent profiles)
+            raise ConfigError(f"the profiled costs of these {c.n} blocks admit no plan; "
+                              "check which blocks were chosen (blocks=)")
         front: list[Plan] = []
         for items, (peak, time) in sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1])):
             if front and time >= (front[-1].predicted_time or 0.0):
