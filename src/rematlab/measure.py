@@ -49,7 +49,10 @@ from rematlab.layers import remat_of
 from rematlab.probes import Clock, MemoryProbe, StepMemory, clock_for, storage_key
 from rematlab.steps import (
     INPUT_DTYPES,
+    MAX_BATCH_SIZE,
+    MAX_VOCAB,
     OPTIMIZERS,
+    bounded,
     call,
     cast,
     default_loss,
@@ -105,18 +108,14 @@ class Spec:
 
     def validate(self) -> Spec:
         """Check every field; return the spec with the zoo's default input filled in."""
-        if not 0 < self.batch <= INT32_MAX:
-            raise ConfigError(f"batch must be a positive integer up to {INT32_MAX}, got "
-                              f"{self.batch}")
-        if not 2 <= self.warmup <= MAX_REPEATS:
-            raise ConfigError(f"warmup must be between 2 (optimizer state) and {MAX_REPEATS}, "
-                              f"got {self.warmup}")
-        if not 1 <= self.repeats <= MAX_REPEATS:
-            raise ConfigError(f"repeats must be between 1 and {MAX_REPEATS}, got {self.repeats}")
-        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
-            raise ConfigError(f"threads must be between 1 and {MAX_THREADS}, got {self.threads}")
-        if not 0 <= self.seed <= INT32_MAX:
-            raise ConfigError(f"seed must be between 0 and {INT32_MAX}, got {self.seed}")
+        bounded("batch", self.batch, MAX_BATCH_SIZE)
+        bounded("warmup (2 make the optimizer state)", self.warmup, MAX_REPEATS, low=2)
+        bounded("repeats", self.repeats, MAX_REPEATS)
+        if self.threads is not None:
+            bounded("threads", self.threads, MAX_THREADS)
+        bounded("seed", self.seed, INT32_MAX, low=0)
+        if self.vocab is not None:
+            bounded("vocab", self.vocab, MAX_VOCAB)
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
