@@ -22,6 +22,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import rematlab
+from rematlab.chain import compiling
 from rematlab.exceptions import InfeasibleBudgetError, format_bytes
 from rematlab.steps import call, default_loss
 from rematlab.units import markdown_table
@@ -46,7 +47,8 @@ def _grads(run, model, batch) -> list[torch.Tensor]:
 
 def _row(name: str, planning, budget: int, model, batch, want) -> dict:
     chosen = planning.choose(budget)
-    got = _grads(torch.compile(rematlab.apply(model, chosen)), model, batch)
+    with compiling():  # past dynamo's recompile limit the model would silently run eager
+        got = _grads(torch.compile(rematlab.apply(model, chosen)), model, batch)
     diff = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     return {"model": name, "budget": format_bytes(budget), "plan": chosen.describe(),
             "compiled peak": format_bytes(chosen.measured_peak or 0),
@@ -72,7 +74,8 @@ def main() -> None:
             floor = planning.choose(planning.floor).measured_peak or 0
         except InfeasibleBudgetError as exc:
             floor = exc.min_peak
-        want = _grads(torch.compile(model), model, batch)
+        with compiling():
+            want = _grads(torch.compile(model), model, batch)
         for budget in (floor, (floor + top) // 2, top - 1):
             rows.append(_row(name, planning, budget, model, batch, want))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)

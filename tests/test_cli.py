@@ -133,12 +133,13 @@ def test_bad_input_for_a_real_model_is_one_line_and_exit_2(tmp_path, args, needl
 
 
 def test_plan_with_several_budgets_profiles_once_and_never_gets_slower():
-    result = runner.invoke(app, ["plan", "--model", "lenet5", "--batch", "64", "--budgets",
-                                 "12MiB,16MiB,64MiB", "--json"])
+    result = runner.invoke(app, ["plan", "--model", "mlp5", "--batch", "2048", "--budgets",
+                                 "80MiB,90MiB,200MiB", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     plans = data["plans"]
-    assert [p["budget"] for p in plans] == [12 * 2**20, 16 * 2**20, 64 * 2**20]
+    assert [p["budget"] for p in plans] == [80 * 2**20, 90 * 2**20, 200 * 2**20]
+    assert plans[0]["plan"] != plans[-1]["plan"]  # a real choice between the budgets
     assert all(p["measured_peak"] <= p["budget"] for p in plans)
     overheads = [p["predicted_overhead"] for p in plans]
     assert overheads == sorted(overheads, reverse=True)
