@@ -53,7 +53,7 @@ def _row(name: str, planning, budget: int, model, batch, want) -> dict:
     return {"model": name, "budget": format_bytes(budget), "plan": chosen.describe(),
             "compiled peak": format_bytes(chosen.measured_peak or 0),
             "within budget": "yes" if (chosen.measured_peak or 0) <= budget else "NO",
-            "max |grad diff|": f"{diff:.1e}"}
+            "max grad difference": f"{diff:.1e}"}
 
 
 def main() -> None:
@@ -82,7 +82,8 @@ def main() -> None:
     text = (
         "# Per-layer plans under torch.compile\n\n"
         f"Produced by `python benchmarks/compiled_layers.py` on this 2-core CPU "
-        f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s in all). "
+        f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s of wall time in "
+        "all, compilation included; no time is compared here, only peaks and gradients). "
         "Each model is planned once with `compile=True`; each budget's plan is verified on "
         "the compiled whole step and trained compiled against the compiled plain model "
         "(float32; the difference is the compiled kernels' rounding).\n\n"
