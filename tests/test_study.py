@@ -1,4 +1,4 @@
-
+import pandas as pd
 import pytest
 
 from rematlab import load
@@ -78,3 +78,11 @@ def test_other_commands_fail_cleanly(args):
     proc = clirun.run(args)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_sweep_stored_before_waits_were_recorded_reports_no_wait():
+    sweeps = pd.DataFrame([{"sweep_id": "a", "status": "complete", "started_at": "2026-12-01",
+                            "configs": 12, "wall_s": 10.0, "measured_s": 8.0,
+                            "harness_overhead": 0.2, "waited_s": float("nan")}])
+    info = study_mod._sweep_info(sweeps)
+    assert info["waited_s"] == 0.0 and info["wall_s"] == 10.0 and not info["reused"]

@@ -77,7 +77,8 @@ def _sweep_info(sweeps: pd.DataFrame) -> dict:
     last = worked.iloc[-1]
     return {"wall_s": float(last["wall_s"] or 0), "measured_s": float(last["measured_s"] or 0),
             "harness_overhead": float(last["harness_overhead"] or 0),
-            "waited_s": float(last.get("waited_s") or 0),
+            # NULL in sweeps stored before schema v4: no wait was recorded, not NaN seconds
+            "waited_s": float(last["waited_s"]) if pd.notna(last.get("waited_s")) else 0.0,
             "started_at": str(last["started_at"])[:19],
             "reused": bool(completed.iloc[-1]["sweep_id"] != last["sweep_id"])}
 
