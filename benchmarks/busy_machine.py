@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from rematlab.grid import load_grid
-from rematlab.guard import remeasured, trusted_only
-from rematlab.predictor import fit_and_evaluate
-from rematlab.stats import analyze
-from rematlab.store import harness_overhead, load
-from rematlab.study import grid_caps
-from rematlab.sweep import SweepResult, sweep
-from rematlab.units import markdown_table
+from rematlab.core.guard import remeasured, trusted_only
+from rematlab.core.units import markdown_table
+from rematlab.study.grid import load_grid
+from rematlab.study.predictor import fit_and_evaluate
+from rematlab.study.reproduce import grid_caps
+from rematlab.study.stats import analyze
+from rematlab.study.store import harness_overhead, load
+from rematlab.study.sweep import SweepResult, sweep
 
 
 def burn(stop: mp.synchronize.Event, persistent: bool, seed: int = 0) -> None:

@@ -22,10 +22,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import rematlab
-from rematlab.chain import compiling
+from rematlab.core.steps import call, default_loss
+from rematlab.core.units import markdown_table
 from rematlab.exceptions import InfeasibleBudgetError, format_bytes
-from rematlab.steps import call, default_loss
-from rematlab.units import markdown_table
+from rematlab.remat.chain import compiling
 
 MODELS = {
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(

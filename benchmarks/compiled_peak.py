@@ -25,11 +25,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rematlab import zoo
-from rematlab.plans import Plan
-from rematlab.probes import CpuAllocatorTrace
-from rematlab.steps import make_optimizer
-from rematlab.strategies import RematChain
+from rematlab.core.probes import CpuAllocatorTrace
+from rematlab.core.steps import make_optimizer
+from rematlab.measurement import zoo
+from rematlab.plans.plan import Plan
+from rematlab.remat.strategies import RematChain
 
 
 def _status(key: str) -> int:

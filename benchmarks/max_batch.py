@@ -24,10 +24,10 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rematlab import zoo
+from rematlab.core.units import parse_bytes
 from rematlab.exceptions import format_bytes
-from rematlab.maxbatch import BatchSearch, max_batch
-from rematlab.units import parse_bytes
+from rematlab.measurement import zoo
+from rematlab.planning.maxbatch import BatchSearch, max_batch
 
 ZOO = [("mlp3", None), ("mlp5", None), ("mlp7", None), ("lenet5", None),
        ("alexnet", "cifar"), ("vgg16", "cifar")]

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rematlab import Spec, measure, zoo
+from rematlab import Spec
 from rematlab.exceptions import format_bytes
-from rematlab.planner import prepare
-from rematlab.plans import Plan, simulate
+from rematlab.measurement import measure, zoo
+from rematlab.planning.planner import prepare
+from rematlab.plans.plan import Plan, simulate
 
 CASES = [("mlp3", None, 2048), ("mlp5", None, 2048), ("mlp7", None, 2048),
          ("lenet5", None, 1024), ("alexnet", "cifar", 256), ("vgg16", "cifar", 256)]

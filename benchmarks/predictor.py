@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rematlab.predictor import Predictor, dataset, evaluate
-from rematlab.store import load
+from rematlab.study.predictor import Predictor, dataset, evaluate
+from rematlab.study.store import load
 
 TARGETS = [("memory", "random 80/20", "r2", ">=", 0.995), ("memory", "random 80/20", "mape",
            "<=", 0.02), ("memory", "leave one architecture out", "mape", "<=", 0.05),

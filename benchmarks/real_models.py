@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rematlab.core.steps import call, default_loss, make_optimizer
 from rematlab.exceptions import InfeasibleBudgetError, format_bytes
-from rematlab.planner import prepare
-from rematlab.plans import Plan, uniform_plan
-from rematlab.steps import call, default_loss, make_optimizer
-from rematlab.strategies import apply
+from rematlab.planning.planner import prepare
+from rematlab.plans.plan import Plan, uniform_plan
+from rematlab.remat.strategies import apply
 from tests import realzoo
 
 SIZES = {"gpt2": {"batch": 8, "seq": 128, "layers": 6}, "bert": {"batch": 8, "seq": 128,
@@ -176,7 +176,7 @@ def main() -> None:
             + f"\n\nWall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads.\n")
     if args.out:
-        from rematlab.files import write_text
+        from rematlab.core.files import write_text
 
         write_text(args.out, text)
     print(text)

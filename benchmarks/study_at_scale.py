@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from rematlab.grid import load_grid
-from rematlab.guard import remeasured, trusted_only
-from rematlab.predictor import fit_and_evaluate
-from rematlab.report import STUDY_R2
-from rematlab.stats import analyze
-from rematlab.store import config_id, harness_overhead, load
-from rematlab.study import grid_caps
-from rematlab.units import markdown_table, percent_columns
+from rematlab.core.guard import remeasured, trusted_only
+from rematlab.core.units import markdown_table, percent_columns
+from rematlab.study.grid import load_grid
+from rematlab.study.predictor import fit_and_evaluate
+from rematlab.study.report import STUDY_R2
+from rematlab.study.reproduce import grid_caps
+from rematlab.study.stats import analyze
+from rematlab.study.store import config_id, harness_overhead, load
 
 
 def sweep_section(db: Path, grid: str) -> list[str]:

@@ -41,7 +41,7 @@ REMATLAB=("$PY" -m rematlab.cli)
 step "machine"
 "$PY" - "$OUT/env.json" "$DEV" <<'EOF'
 import json, sys, torch
-from rematlab.measure import environment
+from rematlab.measurement.measure import environment
 env = environment(torch.device(sys.argv[2]))
 env["cuda_available"] = torch.cuda.is_available()
 if torch.cuda.is_available():

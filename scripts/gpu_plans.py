@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from rematlab import zoo
-from rematlab.files import write_text
-from rematlab.planner import prepare
+from rematlab.core.files import write_text
+from rematlab.measurement import zoo
+from rematlab.planning.planner import prepare
 
 FRACTIONS = (0.0, 0.5, 0.9)
 

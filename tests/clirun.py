@@ -15,7 +15,8 @@ import traceback
 from pathlib import Path
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["rematlab.cli", "rematlab.sweep", "rematlab.measure"])
+_CTX.set_forkserver_preload(["rematlab.cli", "rematlab.study.sweep",
+                             "rematlab.measurement.measure"])
 
 
 def _child(args: list[str], cwd: str | None, out: str, err: str) -> None:

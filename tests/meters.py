@@ -2,7 +2,7 @@
 
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from rematlab.steps import call, default_loss, make_optimizer, tensors
+from rematlab.core.steps import call, default_loss, make_optimizer, tensors
 
 
 def own_loop_peak(model, batch) -> int:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import rematlab
-from rematlab import budget as B
-from rematlab import zoo
 from rematlab.exceptions import ConfigError
+from rematlab.measurement import zoo
+from rematlab.planning import budget as B
 from tests import clirun
 
 CPU = torch.device("cpu")

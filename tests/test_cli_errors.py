@@ -8,8 +8,8 @@ import duckdb
 import pytest
 import torch
 
-from rematlab.measure import Spec, failed_row
-from rematlab.store import Store, config_id
+from rematlab.measurement.measure import Spec, failed_row
+from rematlab.study.store import Store, config_id
 from tests import clirun
 
 HERE = Path(__file__).parent

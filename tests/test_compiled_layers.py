@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import rematlab
-from rematlab.chain import compiling
-from rematlab.steps import call, default_loss
+from rematlab.core.steps import call, default_loss
+from rematlab.remat.chain import compiling
 from tests import realzoo
 
 

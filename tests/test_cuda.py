@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import rematlab
-from rematlab import zoo
-from rematlab.measure import Spec, measure
-from rematlab.planner import prepare
-from rematlab.probes import CudaEventClock, StepMemory, WallClock
-from rematlab.steps import call, default_loss
+from rematlab.core.probes import CudaEventClock, StepMemory, WallClock
+from rematlab.core.steps import call, default_loss
+from rematlab.measurement import zoo
+from rematlab.measurement.measure import Spec, measure
+from rematlab.planning.planner import prepare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 

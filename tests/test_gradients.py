@@ -3,12 +3,20 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab import gradients, peft
-from rematlab.estimators import Method, direction, estimate, fmad_gradient, perturbed, zo_gradient
 from rematlab.exceptions import ConfigError
-from rematlab.gradients import summarize, train, verdict
-from rematlab.tasks import for_finetuning
-from rematlab.zoo import mlp
+from rematlab.gradients import comparison as gradients
+from rematlab.gradients import peft
+from rematlab.gradients.comparison import summarize, train, verdict
+from rematlab.gradients.estimators import (
+    Method,
+    direction,
+    estimate,
+    fmad_gradient,
+    perturbed,
+    zo_gradient,
+)
+from rematlab.gradients.tasks import for_finetuning
+from rematlab.measurement.zoo import mlp
 
 
 class Quadratic(nn.Module):
@@ -148,7 +156,7 @@ def test_bad_methods_are_config_errors(bad):
         Method.parse(bad)
 
 
-# --- the paper's regime: a pretrained transformer, LoRA rank 1 (rematlab.peft) -------------
+# --- the paper's regime: a pretrained transformer, LoRA rank 1 (rematlab.gradients.peft) ---
 
 
 @pytest.fixture

@@ -1,32 +1,72 @@
-"""The package's layers do not loop back on themselves (issue 14): no import cycle between
-rematlab's modules, at module level or inside functions, and no module but the facade's
-own lazy loader imports the facade."""
+"""The package's layers (issues 14 and 26): each subpackage imports only the ones below it, no
+module imports the facade, there is no import cycle, `plans` is pure (no torch), and no
+module is longer than a newcomer can read in one go."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import rematlab
 
 PACKAGE = Path(rematlab.__file__).parent
+# Bottom to top; a module may import its own layer and the ones before it.
+LAYERS = ("exceptions", "version", "core", "plans", "remat", "measurement", "planning",
+          "gradients", "study", "cli", "__init__")
+MAX_LINES = 400
+
+
+def _name(path: Path) -> str:
+    """'core.steps' for src/rematlab/core/steps.py, 'cli' for cli.py, 'cli' for cli/__init__."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(dotted: str) -> str:
+    """The rematlab module `rematlab.<dotted>` names (its package when it names an object)."""
+    while dotted and dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted
 
 
 def _imports(path: Path) -> set[str]:
     """rematlab modules imported anywhere in `path` (functions included)."""
-    names = {p.stem for p in PACKAGE.glob("*.py")}
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module == "rematlab":
-                out |= {a.name if a.name in names else "__init__" for a in node.names}
+                out |= {a.name if a.name in MODULES else "__init__" for a in node.names}
             elif node.module.startswith("rematlab."):
-                out.add(node.module.split(".")[1])
+                base = node.module.removeprefix("rematlab.")
+                out |= {_resolve(f"{base}.{a.name}") for a in node.names}
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("rematlab.")}
+            out |= {_resolve(a.name.removeprefix("rematlab.")) for a in node.names
+                    if a.name.startswith("rematlab.")}
+        assert not (isinstance(node, ast.ImportFrom) and node.level), f"relative import in {path}"
     return out
 
 
 def _graph() -> dict[str, set[str]]:
-    return {p.stem: _imports(p) - {p.stem} for p in PACKAGE.glob("*.py")}
+    return {m: _imports(p) - {m} for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
+
+
+def test_every_module_belongs_to_a_layer():
+    assert sorted(m for m in MODULES if m.split(".")[0] not in LAYERS) == []
+
+
+def test_no_layer_imports_one_above_it():
+    upward = sorted(f"{m} -> {d}" for m, deps in _graph().items() for d in deps
+                    if _layer(d) > _layer(m))
+    assert upward == []
 
 
 def test_no_module_imports_the_package_facade():
@@ -58,3 +98,19 @@ def test_there_is_no_import_cycle():
         if m not in state and m != "__init__":
             visit(m)
     assert cycles == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("plans")))
+def test_plans_are_pure_data_without_torch(module):
+    tree = ast.parse(MODULES[module].read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    assert "torch" not in imported
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = sorted(f"{m}: {n}" for m, p in MODULES.items()
+                  if (n := len(p.read_text().splitlines())) > MAX_LINES)
+    assert long == []

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 
 import rematlab
-from rematlab import planner, zoo
-from rematlab.budget import DeviceBudget
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.maxbatch import confirmed, largest, max_batch, resized
-from rematlab.planner import step_peak
-from rematlab.plans import none_plan, simulate
+from rematlab.measurement import zoo
+from rematlab.planning import planner
+from rematlab.planning.budget import DeviceBudget
+from rematlab.planning.maxbatch import confirmed, largest, max_batch, resized
+from rematlab.planning.planner import step_peak
+from rematlab.plans.plan import none_plan, simulate
 from tests import clirun, realzoo
 
 MIB = 2**20
@@ -168,7 +169,7 @@ def test_the_cli_reports_both_cases_as_json_and_rejects_bad_input():
 
 
 def test_running_out_of_memory_while_searching_is_a_result_not_a_crash(monkeypatch):
-    from rematlab import maxbatch
+    from rematlab.planning import maxbatch
 
     real = maxbatch.prepare
 

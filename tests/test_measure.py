@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rematlab import Spec, apply, measure, zoo
+from rematlab import Spec, apply
+from rematlab.core.guard import POLL_S, Guard
+from rematlab.core.probes import CpuAllocatorTrace, LiveTensorTracker, Span
+from rematlab.core.steps import make_optimizer
 from rematlab.exceptions import ConfigError
-from rematlab.guard import POLL_S, Guard
-from rematlab.probes import CpuAllocatorTrace, LiveTensorTracker, Span
-from rematlab.steps import make_optimizer
+from rematlab.measurement import measure, zoo
 
 
 class ConstantClock:
@@ -174,7 +175,7 @@ def test_a_settling_guard_waits_for_quiet_before_timing():
 
 
 def test_guard_measures_the_outlier_of_a_wide_set_again():
-    from rematlab.guard import Sample
+    from rematlab.core.guard import Sample
 
     times = iter([1.0, 2.0, 1.0, 1.0])  # a hiccup in the second repeat that no probe saw
     samples = Guard(host=QuietHost(), sleep=lambda s: None).run(
@@ -193,7 +194,7 @@ def test_host_load_sees_a_busy_process_beside_this_one():
     import sys
     import time
 
-    from rematlab.guard import HostLoad
+    from rematlab.core.guard import HostLoad
 
     if HostLoad()._read() is None:
         pytest.skip("no /proc here")
@@ -307,7 +308,7 @@ def test_measure_observes_memory_saved_by_checkpointing():
 
 
 def test_flops_are_counted_once_per_shape():
-    from rematlab.measure import _COUNTED
+    from rematlab.measurement.measure import _COUNTED
 
     _COUNTED.clear()
     sgd = measure(Spec(model="mlp3", batch=4, repeats=1, optimizer="sgd"))
@@ -366,7 +367,7 @@ def test_cuda_request_without_cuda_is_a_config_error():
 def test_nested_recomputation_flops_count_each_recomputed_forward(tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rematlab.plans import Plan, Segment
+    from rematlab.plans.plan import Plan, Segment
 
     plan = Plan(7, (Segment(0, 4, (Segment(0, 2, (0, 1)), 2, 3)), 4, 5, 6))
     path = tmp_path / "nested.json"

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
-from rematlab.grid import load_grid
-from rematlab.measure import parse_device
-from rematlab.plans import Plan
-from rematlab.strategies import parse
-from rematlab.units import parse_bytes
-from rematlab.zoo import parse_shape
+from rematlab.measurement.measure import parse_device
+from rematlab.measurement.zoo import parse_shape
+from rematlab.plans.plan import Plan
+from rematlab.remat.strategies import parse
+from rematlab.study.grid import load_grid
 
 SETTINGS = settings(max_examples=300, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 
 import rematlab
-from rematlab import zoo
-from rematlab.chain import profile_chain
 from rematlab.exceptions import InfeasibleBudgetError
-from rematlab.planner import AutoRemat, auto, plan, prepare
-from rematlab.plans import Plan, none_plan, simulate, uniform_plan
-from rematlab.solver import solve
-from rematlab.tracing import find_chain
+from rematlab.measurement import zoo
+from rematlab.planning.planner import AutoRemat, auto, plan, prepare
+from rematlab.plans.plan import Plan, none_plan, simulate, uniform_plan
+from rematlab.plans.solver import solve
+from rematlab.remat.chain import profile_chain
+from rematlab.remat.tracing import find_chain
 from tests import userzoo
 from tests.meters import own_loop_peak
 

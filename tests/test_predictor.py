@@ -13,10 +13,10 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.model_selection import KFold, cross_val_predict
 
-from rematlab import predictor as P
+from rematlab.core.files import write_atomic
+from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
-from rematlab.files import write_atomic
-from rematlab.units import parse_bytes
+from rematlab.study import predictor as P
 
 
 def _frame(n: int = 40) -> pd.DataFrame:
@@ -173,7 +173,7 @@ def test_a_killed_writer_leaves_the_old_file_intact(tmp_path):
     target.write_bytes(b"old predictor")
     script = (
         "import time, sys\n"
-        "from rematlab.files import write_atomic\n"
+        "from rematlab.core.files import write_atomic\n"
         "def slow(tmp):\n"
         "    tmp.write_bytes(b'half a new predi')\n"
         "    print('written', flush=True)\n"
@@ -224,7 +224,7 @@ def _saved_state(tmp_path):
 def _boosted_trees(estimator):
     from sklearn.ensemble import HistGradientBoostingRegressor
 
-    from rematlab.modelfile import _walk
+    from rematlab.study.modelfile import _walk
 
     return [t for o in _walk(estimator) if isinstance(o, HistGradientBoostingRegressor)
             for stage in getattr(o, "_predictors", []) for t in stage]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import rematlab
+from rematlab.core.steps import call, default_loss, detached
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.layers import find_layers, remat_of
-from rematlab.steps import call, default_loss, detached
+from rematlab.remat.layers import find_layers, remat_of
 from tests import realzoo
 from tests.meters import own_loop_peak
 

@@ -3,9 +3,9 @@ from html.parser import HTMLParser
 
 import pandas as pd
 
-from rematlab.gradients import summarize, train, verdict
-from rematlab.report import StudyResults, render
-from rematlab.stats import Settings, analyze
+from rematlab.gradients.comparison import summarize, train, verdict
+from rematlab.study.report import StudyResults, render
+from rematlab.study.stats import Settings, analyze
 from tests import synthetic
 
 
@@ -106,7 +106,7 @@ def test_report_renders_with_missing_stages(tmp_path):
 
 
 def test_table_cells_show_intervals_as_brackets():
-    from rematlab.units import format_number
+    from rematlab.core.units import format_number
 
     assert format_number((0.86647, 0.92753)) == "[0.866, 0.928]"
     assert format_number([1, 2]) == "[1, 2]"

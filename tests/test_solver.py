@@ -9,8 +9,8 @@ from functools import cache
 import pytest
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.plans import ChainCosts, Plan, Segment, need, simulate, uniform_plan
-from rematlab.solver import solve
+from rematlab.plans.plan import ChainCosts, Plan, Segment, need, simulate, uniform_plan
+from rematlab.plans.solver import solve
 
 
 def random_costs(n: int, seed: int) -> ChainCosts:
@@ -104,7 +104,7 @@ def test_checkpointing_trades_time_for_memory_in_the_simulator():
 
 
 def test_solver_and_plan_modules_do_not_import_torch():
-    code = ("import sys; import rematlab.solver, rematlab.plans; "
+    code = ("import sys; import rematlab.plans.solver, rematlab.plans; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", _no_package_init(code)], capture_output=True,
                          text=True, check=True).stdout

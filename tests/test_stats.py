@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from rematlab.stats import Settings, analyze, hodges_lehmann
+from rematlab.study.stats import Settings, analyze, hodges_lehmann
 from tests import synthetic
 
 FAST = Settings(bootstrap=300)

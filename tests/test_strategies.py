@@ -3,10 +3,10 @@ import torch
 from torch import nn
 
 import rematlab
-from rematlab import zoo
 from rematlab.exceptions import ConfigError
-from rematlab.plans import Plan, Segment
-from rematlab.strategies import RematChain, parse
+from rematlab.measurement import zoo
+from rematlab.plans.plan import Plan, Segment
+from rematlab.remat.strategies import RematChain, parse
 
 STRATEGIES = ["uniform:2", "uniform:3", "every:2", "selective", "sqrt", "nested"]
 MODELS = ["mlp3", "mlp5", "mlp7", "lenet5", "alexnet", "vgg16"]

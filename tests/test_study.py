@@ -2,8 +2,8 @@ import pandas as pd
 import pytest
 
 from rematlab import load
-from rematlab import study as study_mod
-from rematlab.study import StudySettings, run_study
+from rematlab.study import reproduce as study_mod
+from rematlab.study.reproduce import StudySettings, run_study
 from tests import clirun
 
 GRID = """
@@ -46,14 +46,14 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
             value = cells[header.index("enables batch under cap")]
             assert value == "none" or value.isdigit(), line
 
-    import rematlab.gradients
-    import rematlab.predictor
+    import rematlab.gradients.comparison
+    import rematlab.study.predictor
 
     def fail(*args, **kwargs):
         raise AssertionError("a cached stage ran again")
 
-    monkeypatch.setattr(rematlab.gradients, "compare", fail)
-    monkeypatch.setattr(rematlab.predictor, "evaluate", fail)
+    monkeypatch.setattr(rematlab.gradients.comparison, "compare", fail)
+    monkeypatch.setattr(rematlab.study.predictor, "evaluate", fail)
     monkeypatch.setattr(study_mod, "_plan_stage", fail)
     monkeypatch.setattr(study_mod, "_batch_stage", fail)
     first = md.read_text().splitlines()

@@ -9,11 +9,11 @@ import duckdb
 import pandas as pd
 import pytest
 
+from rematlab.core.guard import trusted_only
 from rematlab.exceptions import ConfigError
-from rematlab.grid import load_grid
-from rematlab.guard import trusted_only
-from rematlab.store import MIGRATIONS, SCHEMA_VERSION, Store, load
-from rematlab.sweep import sweep
+from rematlab.study.grid import load_grid
+from rematlab.study.store import MIGRATIONS, SCHEMA_VERSION, Store, load
+from rematlab.study.sweep import sweep
 from tests import clirun
 
 TINY = """
@@ -58,7 +58,7 @@ def test_dry_run_prints_count_and_estimate_and_writes_nothing(tmp_path):
 
 
 def test_the_estimate_on_a_cpu_runs_at_the_rate_this_machine_measures(tmp_path, monkeypatch):
-    from rematlab import hardware
+    from rematlab.measurement import hardware
 
     assert hardware.cpu_flops(1) > 1e8  # a real kernel, timed: no machine is slower
     specs = load_grid(_grid(tmp_path)).expand()
@@ -212,7 +212,7 @@ def test_a_second_writer_gets_a_clear_error(tmp_path):
 
 def test_store_lock_error_is_a_typed_exception(tmp_path):
     db = tmp_path / "r.duckdb"
-    code = ("import sys; from rematlab.store import Store; from rematlab.exceptions import "
+    code = ("import sys; from rematlab.study.store import Store; from rematlab.exceptions import "
             "StoreLockedError\ntry:\n    Store(sys.argv[1])\nexcept StoreLockedError:\n"
             "    sys.exit(7)")
     with Store(db):
@@ -274,8 +274,8 @@ def test_ray_backend_on_a_local_instance(tmp_path):
 
 
 def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps(tmp_path):
-    from rematlab.measure import failed_row
-    from rematlab.store import config_id
+    from rematlab.measurement.measure import failed_row
+    from rematlab.study.store import config_id
 
     grid = load_grid(_grid(tmp_path, body='name = "one"\nbatches = [4]\nrepeats = 1\n'
                                             '[[models]]\nname = "mlp3"\n'))
@@ -307,8 +307,8 @@ def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps
     ("tests.userzoo:tiny", "ok", None),
 ])
 def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, outcome, needle):
-    from rematlab.measure import Spec
-    from rematlab.sweep import run_isolated
+    from rematlab.measurement.measure import Spec
+    from rematlab.study.sweep import run_isolated
 
     spec = Spec(model=model, batch=4, input_shape=(4,), repeats=1)
     out = run_isolated(spec, timeout=3 if "slow" in model else 120)
@@ -319,8 +319,8 @@ def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, 
 
 
 def test_a_warm_worker_measures_configurations_in_turn_and_is_replaced_after_a_death():
-    from rematlab.measure import Spec
-    from rematlab.sweep import Worker
+    from rematlab.measurement.measure import Spec
+    from rematlab.study.sweep import Worker
 
     tiny = Spec(model="tests.userzoo:tiny", batch=4, input_shape=(4,), repeats=1)
     killed = Spec(model="tests.userzoo:killed_by_the_kernel", batch=4, input_shape=(4,),
@@ -355,8 +355,8 @@ def _attempts(monkeypatch, trusted: dict[tuple[str, bool], bool], waits: list | 
     the attempt is a second one (settle_s > 0), each having waited `waited` seconds for
     quiet; returns the log of (strategy, settle_s), and logs each run's wait bound in
     `waits`."""
-    from rematlab.measure import run_config
-    from rematlab.sweep import Worker
+    from rematlab.measurement.measure import run_config
+    from rematlab.study.sweep import Worker
 
     calls = []
     waits = [] if waits is None else waits
@@ -377,7 +377,7 @@ def _attempts(monkeypatch, trusted: dict[tuple[str, bool], bool], waits: list | 
 
 def test_untrusted_configurations_are_measured_again_at_the_end_and_replaced_if_trusted(
         tmp_path, monkeypatch):
-    from rematlab.sweep import SETTLE_S
+    from rematlab.study.sweep import SETTLE_S
 
     grid = load_grid(_grid(tmp_path, body=TWO))
     db = tmp_path / "r.duckdb"

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from rematlab import zoo
+from rematlab.core.steps import make_example
 from rematlab.exceptions import ConfigError
-from rematlab.steps import make_example
-from rematlab.tracing import meta_copy
+from rematlab.measurement import zoo
+from rematlab.remat.tracing import meta_copy
 
 
 def _count(model: torch.nn.Module) -> int:

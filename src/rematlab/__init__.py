@@ -8,19 +8,19 @@ sweep's dataset, `predict` step time and peak memory.
 """
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
-from rematlab.maxbatch import max_batch
-from rematlab.measure import Observation, Spec, measure
-from rematlab.planner import Planning, auto, plan, prepare
-from rematlab.plans import Plan
-from rematlab.store import load
-from rematlab.strategies import apply, parse
+from rematlab.measurement.measure import Observation, Spec, measure
+from rematlab.planning.maxbatch import max_batch
+from rematlab.planning.planner import Planning, auto, plan, prepare
+from rematlab.plans.plan import Plan
+from rematlab.remat.strategies import apply, parse
+from rematlab.study.store import load
 from rematlab.version import __version__
 
 
 def __getattr__(name: str):
     """`predict` and `Predictor` load scikit-learn: imported on first use only."""
     if name in ("predict", "Predictor"):
-        from rematlab import predictor as _predictor_module
+        from rematlab.study import predictor as _predictor_module
 
         return getattr(_predictor_module, name)
     raise AttributeError(f"module 'rematlab' has no attribute {name!r}")

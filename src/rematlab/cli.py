@@ -18,10 +18,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rematlab.budget import checked, is_auto
+from rematlab.core.files import jsonable, refuse_overwriting_inputs, write_bytes, write_text
+from rematlab.core.units import format_number, parse_bytes
 from rematlab.exceptions import ConfigError, RematlabError, format_bytes
-from rematlab.files import jsonable, refuse_overwriting_inputs, write_bytes, write_text
-from rematlab.units import format_number, parse_bytes
+from rematlab.planning.budget import checked, is_auto
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure, model and optimize activation rematerialization in PyTorch.")
@@ -75,7 +75,7 @@ Blocks = Annotated[str | None, typer.Option(
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
-    from rematlab.zoo import parse_shape
+    from rematlab.measurement.zoo import parse_shape
 
     return parse_shape(text) if text else None
 
@@ -103,8 +103,8 @@ def measure(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Measure one training configuration: step time, peak memory, saved bytes, FLOPs."""
-    from rematlab.measure import Spec
-    from rematlab.measure import measure as run
+    from rematlab.measurement.measure import Spec
+    from rematlab.measurement.measure import measure as run
 
     spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
                 input_shape=_shape(input_shape), device=device, dtype=dtype,
@@ -165,10 +165,10 @@ def plan_cmd(
 ) -> None:
     """The fastest checkpointing plan whose whole-step peak fits the budget (or each of
     several budgets, from one profile)."""
-    from rematlab import zoo
-    from rematlab.measure import available, parse_device
-    from rematlab.planner import prepare
-    from rematlab.steps import make_example
+    from rematlab.core.steps import make_example
+    from rematlab.measurement import zoo
+    from rematlab.measurement.measure import available, parse_device
+    from rematlab.planning.planner import prepare
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
@@ -212,7 +212,7 @@ def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
 
 def _plan_summary(planning: Any, budget: str) -> dict:
     """One budget's plan and the fixed strategies beside it, as `rematlab plan` reports it."""
-    from rematlab.plans import overhead
+    from rematlab.plans.plan import overhead
 
     derived = planning.budget(budget)
     chosen = planning.choose(derived.nbytes)
@@ -280,10 +280,10 @@ def max_batch_cmd(
 ) -> None:
     """The largest batch that fits the budget without remat and with the optimal plan, and
     the throughput (samples/s) of each: does remat pay off for this model?"""
-    from rematlab import zoo
-    from rematlab.maxbatch import max_batch
-    from rematlab.measure import available, parse_device
-    from rematlab.steps import make_example
+    from rematlab.core.steps import make_example
+    from rematlab.measurement import zoo
+    from rematlab.measurement.measure import available, parse_device
+    from rematlab.planning.maxbatch import max_batch
 
     budget = checked(budget)
     if batch < 2:
@@ -336,9 +336,9 @@ def sweep_cmd(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Run a grid of configurations into the dataset (resumable)."""
-    from rematlab.grid import load_grid
-    from rematlab.hardware import estimate_seconds
-    from rematlab.sweep import resume_hint
+    from rematlab.measurement.hardware import estimate_seconds
+    from rematlab.study.grid import load_grid
+    from rematlab.study.sweep import resume_hint
 
     spec_grid = load_grid(grid, max_wait_s=max_wait, max_wait_total_s=max_wait_total)
     if dry_run:
@@ -409,7 +409,7 @@ def run_sweep(spec_grid, db: Path, backend: str, ray_address: str | None, label:
         TimeRemainingColumn,
     )
 
-    from rematlab.sweep import sweep
+    from rematlab.study.sweep import sweep
 
     counts: Counter = Counter()
     stderr = Console(stderr=True)
@@ -460,7 +460,7 @@ def export(
     table: Annotated[str, typer.Option(help="runs, config_summary, configs, sweeps")] = "runs",
 ) -> None:
     """Export the dataset as Parquet or CSV."""
-    from rematlab.store import Store
+    from rematlab.study.store import Store
 
     with Store(db, read_only=True) as store:
         path = store.export(out, format, table)
@@ -479,8 +479,8 @@ def stats_cmd(
     include_untrusted: IncludeUntrusted = False,
 ) -> None:
     """Statistical tests, effect sizes, guidelines and the study's claims on a dataset."""
-    from rematlab.stats import analyze
-    from rematlab.store import load
+    from rematlab.study.stats import analyze
+    from rematlab.study.store import load
 
     if markdown is not None:
         refuse_overwriting_inputs(markdown, [db])
@@ -513,8 +513,8 @@ def fit(
     include_untrusted: IncludeUntrusted = False,
 ) -> None:
     """Fit and evaluate the time and memory predictors; print the evaluation table."""
-    from rematlab.predictor import fit_and_evaluate
-    from rematlab.store import load
+    from rematlab.study.predictor import fit_and_evaluate
+    from rematlab.study.store import load
 
     refuse_overwriting_inputs(out, [db])
     predictor, table, data = fit_and_evaluate(load(db, "config_summary"), out,
@@ -558,8 +558,8 @@ def predict_cmd(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Predict step time and peak memory of a configuration without running it."""
-    from rematlab.measure import Spec
-    from rematlab.predictor import predict
+    from rematlab.measurement.measure import Spec
+    from rematlab.study.predictor import predict
 
     spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
                 input_shape=_shape(input_shape), device=device, dtype=dtype,
@@ -596,8 +596,8 @@ def gradients(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Compare BP+checkpointing with forward-mode AD and zeroth-order training."""
-    from rematlab.gradients import compare
-    from rematlab.strategies import parse
+    from rematlab.gradients.comparison import compare
+    from rematlab.remat.strategies import parse
 
     parse(strategy)
     try:
@@ -635,7 +635,7 @@ def gradients(
 def _write_gradient_outputs(out: Path, data: dict) -> None:
     import base64
 
-    from rematlab.report import gradient_figures
+    from rematlab.study.report import gradient_figures
 
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "gradients.json", json.dumps(data, indent=2, default=jsonable))
@@ -654,9 +654,9 @@ def study(
     device: Annotated[str | None, typer.Option(help="override the grid's devices")] = None,
 ) -> None:
     """Reproduce the whole study: sweep, predictors, statistics, plans, gradients, report."""
-    from rematlab.grid import load_grid
-    from rematlab.measure import available, parse_device
-    from rematlab.study import StudySettings, run_study
+    from rematlab.measurement.measure import available, parse_device
+    from rematlab.study.grid import load_grid
+    from rematlab.study.reproduce import StudySettings, run_study
 
     if device:
         available(parse_device(device))

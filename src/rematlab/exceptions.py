@@ -2,7 +2,7 @@
 
 Callers catch by type, never by matching message strings: an infeasible budget carries the
 minimum feasible peak as an attribute. `format_bytes` lives here because the messages need
-it; parsing sizes from user input is `rematlab.units`.
+it; parsing sizes from user input is `rematlab.core.units`.
 """
 
 from __future__ import annotations

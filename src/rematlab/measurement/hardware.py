@@ -1,0 +1,75 @@
+"""What rematlab assumes about devices it has not measured: peak dense throughput (FLOP/s)
+and memory bandwidth (B/s), by device-name part. One table, used by the predictor's roofline
+features and the sweep's duration estimate (`estimate_seconds`), which on a CPU measures
+instead: the assumed per-thread rate is a floor for any x86 core, several times below what a
+modern core's GEMM reaches, and an estimate from it read three times the real duration."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rematlab.core.guard import CALIBRATION_FLOPS, Calibration
+from rematlab.core.probes import WallClock
+from rematlab.measurement import zoo
+from rematlab.measurement.measure import MIN_REPEAT_SECONDS, Spec
+
+DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
+                "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
+                "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
+GPU_DEFAULT = (100e12, 1.0e12)  # a CUDA/ROCm device not in the table
+CPU_FLOPS_PER_THREAD = 30e9
+CPU_BANDWIDTH = 20e9
+
+
+def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, float]:
+    """(FLOP/s, B/s) of a device named like 'NVIDIA H100 80GB' or 'cuda:0', or of `threads`
+    CPU threads."""
+    name = (device_name or "").lower()
+    for key, value in DEVICE_PEAKS.items():
+        if key.lower() in name:
+            return value
+    if name.startswith("cuda"):
+        return GPU_DEFAULT
+    return CPU_FLOPS_PER_THREAD * (threads or 1), CPU_BANDWIDTH
+
+
+def cpu_flops(threads: int, tries: int = 10) -> float:
+    """This machine's dense fp32 rate at `threads` threads: the interference guard's
+    calibration kernel, the fastest of `tries` runs (a few milliseconds in all)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel = Calibration(torch.device("cpu"), WallClock())
+        seconds = min(kernel.run() for _ in range(tries))
+    finally:
+        torch.set_num_threads(previous)
+    return CALIBRATION_FLOPS / seconds
+
+
+def estimate_seconds(specs: list[Spec]) -> float:
+    """A rough duration: FLOPs of a step from a meta-device trace at the device's rate (on a
+    CPU measured by `cpu_flops`, elsewhere `device_peaks`), times the untimed steps a
+    measurement runs, plus its repeats of at least `MIN_REPEAT_SECONDS`, plus a fifth of a
+    second of set-up per configuration."""
+
+    cache: dict[tuple, float] = {}
+    rates: dict[tuple[str, int], float] = {}
+    total = 0.0
+    for s in specs:
+        key = (s.model, s.input, s.input_shape, s.batch)
+        if key not in cache:
+            with torch.device("meta"):
+                model, shape, _ = zoo.resolve(s.model, s.input, s.input_shape)
+                x = torch.empty(s.batch, *shape)
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    model(x).sum().backward()
+            cache[key] = float(counter.get_total_flops())
+        threads = s.threads or torch.get_num_threads()
+        if (s.device, threads) not in rates:
+            rates[s.device, threads] = (cpu_flops(threads) if s.device == "cpu"
+                                        else device_peaks(s.device, threads)[0])
+        step = cache[key] * 1.3 / rates[s.device, threads]
+        total += step * s.warmup + max(step, MIN_REPEAT_SECONDS) * s.repeats + 0.2
+    return total

@@ -1,0 +1,503 @@
+"""The largest batch whose training step fits a memory budget, without remat and with the
+optimal plan, and the throughput of each: "does remat pay off?" for the user's own model.
+
+Rematerialization buys memory with time; what a user gains is a larger batch. Whether that
+is worth it is a throughput question (samples per second at the largest batch each way), and
+its answer depends on the model and the device, so it is measured, not assumed.
+
+Searching by measurement alone would profile the model at a dozen large batches. Instead:
+
+1. *Model.* For a fixed plan, a step's memory is affine in the batch size (activations grow
+   with it; weights, gradients and optimizer state do not). The model's costs are profiled
+   on the device at two small batches and every cost is interpolated to any batch
+   (`scaled`). On that model an exponential then binary search finds the largest batch whose
+   simulated peak (no remat) or smallest plan peak (the solver's floor) fits the budget. Each
+   probe is a dynamic programme over the blocks: milliseconds.
+2. *Confirmation.* The model's answer is measured: the step at that batch must fit (its
+   peak measured as `rematlab.plan` measures a plan; with remat, the peak of the floor
+   plan, the smallest any plan reaches) and at one more sample it must not. Secant steps
+   on measured peaks correct the model's answer, then the search gallops by measurement
+   until both hold, so the result is exact whatever the model's error: `batch` fits,
+   `batch + 1` does not. With remat, the plan kept is then the fastest within the budget
+   at that batch (`rematlab.plan`'s choice, verified).
+3. *Throughput.* Each result is timed as a full training step (forward, loss, backward,
+   optimizer) after warm-up, both cases interleaved round by round (a busy machine slows
+   them alike), median of repeats with their spread; throughput is samples per second at
+   the median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematlab.core.probes import clock_for
+from rematlab.core.steps import (
+    Batch,
+    LossFn,
+    bounded,
+    call,
+    check_batch,
+    default_loss,
+    is_oom,
+    make_optimizer,
+    preserved,
+    tensors,
+    to_device,
+)
+from rematlab.exceptions import ConfigError
+from rematlab.measurement.measure import MAX_REPEATS, steps_per_repeat
+from rematlab.planning.budget import DeviceBudget, checked, resolve
+from rematlab.planning.planner import Planning, prepare, resident, step_peak
+from rematlab.plans.plan import ChainCosts, Plan, none_plan, simulate
+from rematlab.plans.solver import solve
+from rematlab.remat.layers import single_layer
+from rematlab.remat.strategies import apply
+
+CASES = ("none", "optimal")
+MAX_BATCH = 1 << 20
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """The largest batch found for one case (`none`: no remat; `optimal`: the fastest plan
+    within the budget at that batch), measured.
+
+    `batch` fits and `batch + 1` does not (`over`: its measured peak, for `optimal` that of
+    its floor plan, the smallest any plan reaches), unless `at_limit` (the search stopped
+    at its upper limit). `estimate` is the cost model's answer before confirmation;
+    `measured` how many batch sizes were measured to confirm it. `step_s` is the median of
+    `repeats` timed steps after warm-up, `step_iqr` their spread; `throughput` samples per
+    second at the median."""
+
+    case: str
+    batch: int
+    peak: int | None
+    over: int | None
+    estimate: int
+    measured: int
+    at_limit: bool
+    plan: str | None = None
+    step_s: float | None = None
+    step_iqr: float | None = None
+    repeats: int = 0
+    throughput: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """Both cases at one budget; `search_s` is the wall time of finding the batches, `timing_s`
+    of timing them."""
+
+    budget: DeviceBudget
+    fits: list[BatchFit]
+    search_s: float
+    timing_s: float
+
+    def fit(self, case: str) -> BatchFit:
+        return next(f for f in self.fits if f.case == case)
+
+    def verdict(self) -> str:
+        """One line: how much larger a batch the plan allows, at what throughput."""
+        cases = {f.case: f for f in self.fits}
+        if set(cases) != set(CASES):
+            return ""
+        none, best = cases["none"], cases["optimal"]
+        if best.batch == 0:
+            return "not even one sample fits the budget, with or without remat"
+        if best.batch <= none.batch:
+            return (f"remat enables no larger batch ({none.batch}); without it the step is "
+                    f"not slowed")
+        gain = f"remat fits {best.batch} samples per step against {none.batch}"
+        if none.batch == 0:
+            return gain + ": without it not even one sample fits"
+        gain += f" (+{best.batch / none.batch - 1:.0%})"
+        if best.throughput and none.throughput:
+            ratio = best.throughput / none.throughput
+            return gain + (f", at {ratio:.2f}x the throughput of the largest batch without "
+                           f"it: remat {'pays' if ratio > 1 else 'does not pay'} in "
+                           f"samples/s")
+        return gain
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget.nbytes, "budget_source": self.budget.how,
+                "search_s": self.search_s, "timing_s": self.timing_s,
+                "fits": [asdict(f) for f in self.fits],
+                "timing": "full training steps (forward, loss, backward, optimizer) after "
+                          "warm-up; median and IQR of repeats, device synchronised"}
+
+
+def resized(batch: Batch, size: int) -> Batch:
+    """`batch` with `size` samples: every tensor whose first dimension is the batch's is
+    indexed cyclically along it (token ids, masks and labels stay consistent)."""
+    n = next(tensors(batch)).shape[0]
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.dim() and value.shape[0] == n:
+                return value[torch.arange(size, device=value.device) % n]
+            return value
+        if isinstance(value, dict):
+            return {k: one(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(one(v) for v in value)
+        return value
+
+    return one(batch)
+
+
+def scaled(low: ChainCosts, b_low: int, high: ChainCosts, b_high: int, batch: int
+           ) -> ChainCosts:
+    """The costs at `batch`, each interpolated (or extrapolated) affinely from the costs
+    profiled at `b_low` and `b_high`; never below zero."""
+    w = (batch - b_low) / (b_high - b_low)
+
+    def at(a: Any, b: Any) -> Any:
+        if isinstance(a, bool):
+            return b
+        if isinstance(a, list):
+            return [at(x, y) for x, y in zip(a, b, strict=True)]
+        value = max(0.0, a + (b - a) * w)
+        return round(value) if isinstance(a, int) else value
+
+    return ChainCosts(**{f.name: at(getattr(low, f.name), getattr(high, f.name))
+                         for f in fields(ChainCosts)})
+
+
+def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The boundary between `low` (fits, or 0) and `high` (does not fit)."""
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def largest(fits: Callable[[int], bool], start: int, limit: int) -> int:
+    """The largest `b <= limit` with `fits(b)`, assuming `fits` is monotone: doubling from
+    `start`, then bisection. 0 when not even one sample fits."""
+    start = max(1, min(start, limit))
+    if fits(start):
+        low, high = start, None
+        while high is None:
+            if low >= limit:
+                return limit
+            nxt = min(limit, 2 * low)
+            if fits(nxt):
+                low = nxt
+            else:
+                high = nxt
+    else:
+        low, high = 0, start
+    return _bisect(fits, low, high)
+
+
+def confirmed(fits: Callable[[int], bool], estimate: int, limit: int) -> int:
+    """The batch `b` near `estimate` with `fits(b)` and not `fits(b + 1)` (or `b == limit`),
+    galloping from the estimate in steps of 1, 2, 4... then bisecting: a few calls when the
+    estimate is close."""
+    b = max(1, min(estimate, limit))
+    if fits(b):
+        low, step, high = b, 1, None
+        while high is None and low < limit:
+            probe = min(limit, low + step)
+            if fits(probe):
+                low, step = probe, 2 * step
+            else:
+                high = probe
+        if high is None:
+            return limit
+    else:
+        high, step, low = b, 1, None
+        while low is None:
+            probe = max(0, high - step)
+            if probe == 0 or fits(probe):
+                low = probe
+            else:
+                high, step = probe, 2 * step
+    return _bisect(fits, low, high)
+
+
+class _Searcher:
+    """The model, its batch factory and the budget; measurements are cached per batch."""
+
+    def __init__(self, model: nn.Module, make: Callable[[int], Batch], start: int, limit: int,
+                 budget: str | int, optimizer: str | None, blocks: Any,
+                 loss_fn: LossFn | None) -> None:
+        self.model, self.make, self.start, self.limit = model, make, start, limit
+        self.optimizer, self.blocks, self.loss_fn = optimizer, blocks, loss_fn
+        self.device = next(tensors(make(1))).device
+        self.budget = resolve(budget, self.device, resident(model))  # batches come later
+        self.plannings: dict[int, Planning] = {}
+        for b in (start, 2 * start):
+            self.planning(b)
+        self.layers = self.plannings[start].structure.kind == "layers"
+        self.seen: dict[tuple[str, int], int | None] = {}
+        self.chosen: dict[int, Plan] = {}
+
+    def _kw(self) -> dict:
+        return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn}
+
+    def planning(self, batch: int) -> Planning:
+        """The model profiled and solved at `batch` on the device, cached without its batch:
+        batches are made when measured, so none is alive beside another's measurement."""
+        if batch not in self.plannings:
+            planning = prepare(self.model, self.make(batch), **self._kw())
+            planning.batch = None
+            self.plannings[batch] = planning
+        return self.plannings[batch]
+
+    def costs(self, batch: int) -> ChainCosts:
+        """Costs at `batch`, interpolated between the two profiled batches nearest to it."""
+        a, b = sorted(sorted(self.plannings, key=lambda k: (abs(k - batch), -k))[:2])
+        return scaled(self.plannings[a].costs, a, self.plannings[b].costs, b, batch)
+
+    def estimate(self, case: str, rounds: int = 2) -> int:
+        """The model's largest batch, re-profiled near its answer until it stands: affine
+        extrapolation from small batches misses what does not scale linearly (kernels'
+        scratch memory, which phase of the step peaks)."""
+        def fits(b: int) -> bool:
+            return self.modelled(case, b) <= self.budget.nbytes
+
+        guess = largest(fits, self.start, self.limit)
+        for _ in range(rounds):
+            if guess < 1 or guess in self.plannings:
+                break
+            try:
+                self.planning(guess)
+            except Exception as exc:  # the device cannot even profile it: measure instead
+                if is_oom(exc):
+                    break
+                raise
+            nxt = largest(fits, guess, self.limit)
+            if nxt == guess:
+                break
+            guess = nxt
+        return guess
+
+    def modelled(self, case: str, batch: int) -> int:
+        """The cost model's step peak at `batch`: without remat, or the solver's floor."""
+        costs = self.costs(batch)
+        if case == "none":
+            return simulate(none_plan(costs.n), costs)[0]
+        n = costs.n
+        allowed = (lambda s, k: single_layer(s, k, n)) if self.layers else None
+        return solve(costs, allowed=allowed).min_peak
+
+    def peak(self, case: str, batch: int) -> int | None:
+        """The measured step peak at `batch` without remat, or of the floor plan (the
+        smallest peak any plan reaches, so the optimal case fits iff it does); None when
+        the step ran out of memory. Cached."""
+        key = (case, batch)
+        if key not in self.seen:
+            self.seen[key] = self._measure(case, batch)
+        return self.seen[key]
+
+    def _measure(self, case: str, batch: int) -> int | None:
+        try:
+            if case == "none":
+                costs = self.costs(batch)
+                return step_peak(self.model, self.model, self.make(batch), costs.state,
+                                 costs.optimizer_peak, self.loss_fn)
+            planning = self.planning(batch)
+            floor = planning.solution.plan_for(planning.solution.min_peak)
+            return self._with_batch(planning, batch, lambda: planning.measure(floor))
+        except Exception as exc:
+            if is_oom(exc):
+                return None
+            raise
+
+    def _with_batch(self, planning: Planning, batch: int, work: Callable[[], Any]) -> Any:
+        planning.batch = self.make(batch)
+        try:
+            return work()
+        finally:
+            planning.batch = None
+
+    def fits(self, case: str, batch: int) -> bool:
+        peak = self.peak(case, batch)
+        return peak is not None and peak <= self.budget.nbytes
+
+    def corrected(self, case: str, estimate: int, rounds: int = 4) -> int:
+        """The measured peak is piecewise affine in the batch (the largest of a few phases'
+        peaks; for the floor, the smallest of a few plans'): secant steps on measured peaks,
+        from the model's estimate and slope, put the guess within a sample or two of the
+        answer."""
+        b = estimate
+        slope = self.modelled(case, b + 1) - self.modelled(case, b)
+        previous: tuple[int, int] | None = None
+        for _ in range(rounds):
+            peak = self.peak(case, b)
+            if peak is None or b < 1:
+                break
+            if previous is not None:
+                slope = (peak - previous[1]) / (b - previous[0])
+            if slope <= 0:
+                break
+            previous = (b, peak)
+            nxt = max(1, min(self.limit, b + int((self.budget.nbytes - peak) // slope)))
+            if nxt == b:
+                break
+            b = nxt
+        return b
+
+    def find(self, case: str) -> BatchFit:
+        estimate = self.estimate(case)
+        before = len(self.seen)
+        batch = confirmed(lambda b: self.fits(case, b), self.corrected(case, estimate),
+                          self.limit)
+        peak, chosen = (self.peak(case, batch) if batch else None), None
+        if batch and case == "optimal":  # the fastest plan within the budget at that batch
+            planning = self.planning(batch)
+            chosen = self._with_batch(planning, batch,
+                                      lambda: planning.choose(self.budget.nbytes))
+            self.chosen[batch] = chosen
+            peak = chosen.measured_peak
+        over = None if batch >= self.limit else self.peak(case, batch + 1)
+        return BatchFit(case=case, batch=batch, peak=peak, over=over, estimate=estimate,
+                        measured=len(self.seen) - before, at_limit=batch >= self.limit,
+                        plan=chosen.describe() if chosen is not None else None)
+
+    def timed(self, found: list[BatchFit], warmup: int, repeats: int) -> list[BatchFit]:
+        """Each case's step at its batch, timed side by side (`side_by_side`)."""
+        runs = {}
+        for fit in found:
+            if fit.batch == 0:
+                continue
+            chosen = self.chosen.get(fit.batch) if fit.case == "optimal" else None
+            run = self.model if chosen is None else apply(
+                self.model, chosen, blocks=self.blocks, example_input=self.make(fit.batch))
+            runs[fit.case] = (run, lambda b=fit.batch: self.make(b))
+        seconds = side_by_side(self.model, runs, self.optimizer, self.loss_fn, warmup,
+                               repeats)
+        timed = []
+        for fit in found:
+            if fit.case in seconds:
+                median = statistics.median(seconds[fit.case])
+                q = (statistics.quantiles(seconds[fit.case], n=4) if repeats > 1
+                     else [median] * 3)
+                fit = replace(fit, step_s=median, step_iqr=q[2] - q[0], repeats=repeats,
+                              throughput=fit.batch / median)
+            timed.append(fit)
+        return timed
+
+
+def side_by_side(model: nn.Module, runs: dict[str, tuple[nn.Module, Callable[[], Batch]]],
+                 optimizer: str | None, loss_fn: LossFn | None, warmup: int, repeats: int
+                 ) -> dict[str, list[float]]:
+    """Seconds per training step (forward, loss, backward, optimizer step) of each run on
+    its batch, interleaved: every round times each candidate once (fast steps averaged in
+    groups), so a busy machine slows them alike and their ratio stays fair. Batches are made
+    per round, never two alive at once. `model`'s weights, gradients, buffers and the RNG
+    are restored afterwards."""
+    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    clock = clock_for(device)
+    opt = make_optimizer(optimizer, model.parameters()) if optimizer else None
+
+    def steps(run: nn.Module, batch: Batch, count: int) -> None:
+        for _ in range(count):
+            model.zero_grad(set_to_none=True)
+            out = call(run, batch)
+            (loss_fn or default_loss)(out, batch).backward()
+            if opt is not None:
+                opt.step()
+            del out
+
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    group: dict[str, int] = {}
+    try:
+        with preserved(model):
+            for name, (run, make) in runs.items():
+                batch = make()
+                steps(run, batch, max(1, warmup))
+                clock.start()
+                steps(run, batch, 1)
+                group[name] = steps_per_repeat(clock.stop())
+                del batch
+            for _ in range(repeats):
+                for name, (run, make) in runs.items():
+                    batch = make()
+                    clock.start()
+                    steps(run, batch, group[name])
+                    seconds[name].append(clock.stop() / group[name])
+                    del batch
+    finally:
+        model.load_state_dict(snapshot)
+    return seconds
+
+
+def batches_from(example: Batch | Callable[[int], Batch], device: torch.device | None
+                 ) -> tuple[Callable[[int], Batch], int]:
+    """A factory batch size -> batch on `device`, and the batch size to start from: the
+    example's own, or 8 for a factory."""
+    if callable(example) and not isinstance(example, torch.Tensor):
+        def made(size: int) -> Batch:
+            batch = example(size)
+            check_batch(batch)
+            return to_device(batch, device) if device is not None else batch
+        return made, 8
+    check_batch(example)
+    base = to_device(example, device) if device is not None else example
+    first = next(tensors(base))
+    if first.dim() == 0:
+        raise ConfigError("the example batch's first tensor has no batch dimension")
+    return (lambda size: resized(base, size)), max(2, first.shape[0])
+
+
+def max_batch(
+    model: nn.Module,
+    example: Batch | Callable[[int], Batch],
+    budget: str | int,
+    *,
+    cases: tuple[str, ...] = CASES,
+    optimizer: str | None = "momentum",
+    blocks: list[nn.Module] | str | list[str] | None = None,
+    loss_fn: LossFn | None = None,
+    device: str | torch.device | None = None,
+    start: int | None = None,
+    limit: int = MAX_BATCH,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> BatchSearch:
+    """The largest batch whose training step fits `budget` (bytes, '8GiB' or 'auto'), for
+    each of `cases` ('none': the model as it is; 'optimal': the fastest plan within the budget
+    at that batch), with measured peak, step time and throughput (see the module docstring).
+
+    `example` is a batch of any form (its tensors are resized along their first dimension) or
+    a factory `size -> batch`; the cost model is profiled at `start` (default: the example's
+    batch size, or 8 for a factory) and twice it. The other keywords are `rematlab.plan`'s;
+    `repeats=0` skips the timing."""
+    budget = checked(budget)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"max_batch() needs an nn.Module, got {type(model).__name__}")
+    unknown = set(cases) - set(CASES)
+    if unknown or not cases:
+        raise ConfigError(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
+    if not 1 <= limit <= MAX_BATCH:
+        raise ConfigError(f"limit must be between 1 and {MAX_BATCH}, got {limit}")
+    bounded("warmup", warmup, MAX_REPEATS, low=0)
+    bounded("repeats", repeats, MAX_REPEATS, low=0)
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        dev = next((p.device for p in model.parameters()), None)
+    make, first = batches_from(example, dev)
+    start = first if start is None else start
+    if start < 2:
+        raise ConfigError(f"start must be at least 2 (profiled with twice it), got {start}")
+    t0 = time.perf_counter()
+    searcher = _Searcher(model, make, min(start, limit), limit, budget, optimizer, blocks,
+                         loss_fn)
+    found = [searcher.find(case) for case in cases]
+    t1 = time.perf_counter()
+    if repeats:
+        found = searcher.timed(found, warmup, repeats)
+    return BatchSearch(searcher.budget, found, t1 - t0, time.perf_counter() - t1)

@@ -1,0 +1,413 @@
+"""Plan the fastest checkpointing of a model for a memory budget in bytes, and check it.
+
+`plan` finds the model's chain, profiles its blocks (measured on the target device, or
+predicted on the meta device), solves the dynamic programme once for every memory level and
+picks the fastest plan whose simulated step peak fits the budget. On a real device it then
+*measures* the plan's forward+backward peak (optimizer state allocated, parameters and
+buffers left untouched) and, if the measurement exceeds the budget, tightens the budget by the
+overshoot and picks again: the budget is honoured on measurement, not only in the model.
+
+With `compile=True` the plan is made for `torch.compile(apply(model, plan))`: blocks are
+profiled compiled and the plan is verified on the compiled step, whose fused kernels and
+partitioner make a different trade-off than eager execution (see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematlab.core.probes import StepMemory
+from rematlab.core.steps import (
+    LossFn,
+    call,
+    check_batch,
+    detached,
+    preserved,
+    runs_on,
+    step,
+    tensors,
+    to_device,
+)
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError, format_bytes
+from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve
+from rematlab.plans.plan import (
+    ChainCosts,
+    Plan,
+    every_layer_plan,
+    none_plan,
+    overhead,
+    selective_per_layer,
+    selective_plan,
+    simulate,
+    sqrt_plan,
+    uniform_plan,
+)
+from rematlab.plans.solver import Solution, solve
+from rematlab.remat.chain import compiled, compiling, profile_chain
+from rematlab.remat.layers import LayerRemat, attach, profile_layers, single_layer
+from rematlab.remat.strategies import RematChain, apply
+from rematlab.remat.structure import Structure, structure
+
+_MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
+COMPILED_SLACK = 0.25
+_log = logging.getLogger("rematlab")
+
+
+@dataclass
+class Planning:
+    """One model at one batch, profiled and solved once; a plan for any budget from it.
+
+    `prepare` finds the structure, moves the batch, profiles and solves; `choose(budget)`
+    picks and (unless predicting) verifies by measurement; `baselines(budget)` simulates the
+    fixed strategies side by side. `rematlab.plan`, `rematlab plan` and the study's planner
+    stage all go through it."""
+
+    model: nn.Module
+    structure: Structure
+    batch: Any
+    costs: ChainCosts
+    solution: Solution
+    verify: bool
+    compile: bool
+    loss_fn: LossFn | None
+    _measured: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def floor(self) -> int:
+        """The model's smallest step peak (the measured floor can be higher)."""
+        return self.solution.min_peak
+
+    @property
+    def full(self) -> int:
+        """The simulated step peak with every activation kept."""
+        return simulate(none_plan(self.costs.n), self.costs)[0]
+
+    def budget(self, budget: str | int) -> DeviceBudget:
+        """`budget` in bytes, with how it was derived (`derive`)."""
+        return derive(budget, self.model, self.batch)
+
+    def choose(self, budget: str | int) -> Plan:
+        """The fastest plan within `budget` (a size or 'auto'), measured unless predicting.
+
+        Monotone in the budget: the plans considered for a budget are the floor plan and the
+        frontier's plans whose simulated peak is within it (compiled: within `COMPILED_SLACK`
+        above it, since compiled graphs save less than their blocks compiled alone), tried
+        fastest first, and the first whose *measured* peak fits wins. Measurements are cached
+        on this object, so a larger budget only adds candidates: its plan is never slower.
+        When the simulation underestimates a plan, the next-best plan is taken, not the
+        floor."""
+        limit = self.budget(budget).nbytes
+        name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
+        slack = COMPILED_SLACK if self.compile else 0.0
+        frontier = self.solution.frontier
+        pool = [frontier[0], *(p for p in frontier[1:]
+                               if (p.predicted_peak or 0) <= limit * (1 + slack))]
+        if not self.verify:
+            return self._named(self.solution.plan_for(limit), name, limit)
+        skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
+        tried = 0
+        for candidate in reversed(pool):
+            if (skip_above is not None and (candidate.predicted_peak or 0) > skip_above
+                    and candidate is not pool[0]):
+                continue
+            known = candidate.describe() in self._measured
+            measured = self._measure_cached(candidate)
+            if measured <= limit:
+                return replace(self._named(candidate, name, limit), measured_peak=measured)
+            tried += 0 if known else 1
+            if tried >= _MAX_CORRECTIONS:
+                skip_above = (candidate.predicted_peak or 0) - (measured - limit)
+        raise InfeasibleBudgetError(limit, max(self.floor, self._measured[pool[0].describe()]))
+
+    @property
+    def unconstrained(self) -> Plan:
+        """The fastest plan with no budget (every activation kept where that is fastest)."""
+        return self._named(self.solution.frontier[-1], "unconstrained", None)
+
+    def curve(self) -> list[dict]:
+        """The Pareto curve of budget against time: every frontier plan's simulated peak,
+        time and overhead against keeping everything, fastest last (plus its measured peak
+        where a `choose` already measured it). One solve serves every budget."""
+        none_time = simulate(none_plan(self.costs.n), self.costs)[1]
+        return [{"peak": p.predicted_peak, "time": p.predicted_time,
+                 "overhead": overhead(p.predicted_time or 0.0, none_time),
+                 "measured_peak": self._measured.get(p.describe()), "plan": p.describe()}
+                for p in self.solution.frontier]
+
+    def _named(self, chosen: Plan, name: str, limit: int | None) -> Plan:
+        return replace(chosen, name=name, budget=limit, compiled=self.compile)
+
+    def _measure_cached(self, chosen: Plan) -> int:
+        key = chosen.describe()
+        if key not in self._measured:
+            self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
+        return self._measured[key]
+
+    def measure(self, chosen: Plan) -> int:
+        """The measured step peak of `chosen` (see `step_peak`)."""
+        if self.structure.kind == "layers":
+            return measure_layers_peak(self.model, self.structure.blocks, chosen, self.batch,
+                                       self.costs, self.loss_fn)
+        return measure_peak(self.structure.blocks, chosen, self.batch, self.costs,
+                            self.loss_fn)
+
+    def baselines(self, budget: int | None = None) -> list[dict]:
+        """Simulated peak and time of the fixed strategies this model can run."""
+        return compare(self.costs, budget, per_layer=self.structure.kind == "layers")
+
+
+def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
+           ) -> DeviceBudget:
+    """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device has
+    (`rematlab.planning.budget`), where the model's parameters, buffers, the batch and `state` bytes
+    of optimizer state that already exist count as resident."""
+    return resolve(budget, next(tensors(batch)).device, state + resident(model, batch))
+
+
+def resident(model: nn.Module, batch: object = ()) -> int:
+    """Bytes of the step's tensors that exist before it runs: `model`'s parameters and
+    buffers, and `batch`'s tensors."""
+    return sum(t.untyped_storage().nbytes()
+               for t in [*model.parameters(), *model.buffers(), *tensors(batch)])
+
+
+def prepare(
+    model: nn.Module,
+    example_inputs: object,
+    *,
+    device: str | torch.device | None = None,
+    optimizer: str | None = "momentum",
+    blocks: list[nn.Module] | str | list[str] | None = None,
+    loss_fn: LossFn | None = None,
+    predict: bool = False,
+    verify: bool = True,
+    compile: bool = False,
+) -> Planning:
+    """Profile and solve once (see `plan` for the arguments)."""
+    check_batch(example_inputs)
+    st = structure(model, example_inputs, blocks)
+    dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
+    batch = to_device(example_inputs, dev)
+    if not predict:
+        runs_on(model, model, batch, type(model).__name__)
+    repeats = 1 if dev.type == "cpu" else 3
+    if st.kind == "layers":
+        if predict:
+            raise ConfigError(f"{type(model).__name__} runs its own layer loop ({st.describe()}):"
+                              " its layers are profiled on the device, not predicted")
+        with compiling():
+            costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
+                                   optimizer=optimizer, repeats=repeats, compile=compile)
+        solution = solve(costs, allowed=lambda s, k: single_layer(s, k, costs.n))
+    else:
+        if not isinstance(batch, torch.Tensor):
+            raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
+                              "with several inputs")
+        costs = profile_chain(st.blocks, batch, device=torch.device("meta") if predict else dev,
+                              optimizer=optimizer, repeats=repeats, compile=compile)
+        solution = solve(costs)
+    return Planning(model, st, batch, costs, solution, verify and not predict, compile, loss_fn)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: object,
+    budget: str | int,
+    **kwargs: Any,
+) -> Plan:
+    """The fastest plan whose whole-step peak fits `budget` (bytes, '6GiB', or 'auto': what
+    this device has, `rematlab.planning.budget`).
+
+    The step is the user's (`rematlab.core.steps`): `example_inputs` is a batch (tensor, tuple or
+    dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
+    output stays alive until the step ends. Keywords: `optimizer` (sgd, momentum, adam or
+    None) adds its state and step; `blocks` names the layers of a model that runs its own loop
+    (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans a chain from meta-device
+    costs (FLOPs stand in for time) without running it; `verify=False` skips the
+    measurement; `compile` plans for `torch.compile(apply(model, plan))` (chains and
+    models that run their own layer loop).
+    Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
+    feasible budget.
+    """
+    budget = checked(budget)  # a bad budget fails before any profiling
+    return prepare(model, example_inputs, **kwargs).choose(budget)
+
+
+def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
+                 costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
+    """Measured peak of a training step under `chosen` (compiled if `chosen.compiled`):
+    forward, loss and backward with the output alive until the end and the optimizer state's
+    bytes allocated, then the optimizer step's peak from `costs` (which was measured on
+    tensors shaped like the parameters). Parameters, buffers and RNG are restored."""
+    remat = RematChain(chain, chosen)
+    run = compiled(remat) if chosen.compiled else remat
+    with compiling():
+        if chosen.compiled:  # compile forward and backward outside the measurement
+            with preserved(remat):
+                step(run, x, loss_fn)
+        return step_peak(remat, run, x, costs.state, costs.optimizer_peak, loss_fn,
+                         tensors_seen=not chosen.compiled)
+
+
+def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
+                        batch: object, costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
+    """Measured peak of the user's step with `chosen` installed on the model's layers (the
+    whole model compiled if `chosen.compiled`, as `torch.compile(apply(model, plan))`)."""
+    twin = attach(model, LayerRemat(layers, chosen))
+    if not chosen.compiled:
+        return step_peak(model, twin, batch, costs.state, costs.optimizer_peak, loss_fn)
+    run = compiled(twin)
+    with compiling():
+        with preserved(model):  # compile forward and backward outside the measurement
+            step(run, batch, loss_fn)
+        return step_peak(model, run, batch, costs.state, costs.optimizer_peak, loss_fn,
+                         tensors_seen=False)
+
+
+def step_peak(owner: nn.Module, run: Callable, batch: object, state_bytes: int,
+              optimizer_peak: int, loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
+    """Peak bytes of one step (`steps.step`) of `run` on `batch` by `probes.StepMemory`, with
+    `owner`'s parameters, buffers, the batch and `state_bytes` of optimizer state alive
+    (tensors counted only where the tracker sees them: eager code); at least the optimizer
+    step's peak (`ChainCosts.optimizer_peak`). `owner`'s gradients, buffers and the RNG are
+    restored."""
+    device = next(tensors(batch)).device
+    state = torch.empty(state_bytes, dtype=torch.uint8, device=device)
+    with preserved(owner):
+        memory = StepMemory(device, tensors_seen=tensors_seen)
+        memory.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
+        with memory, memory.phase("step"):
+            step(run, batch, loss_fn)
+    del state
+    return max(memory.peak, optimizer_peak)
+
+
+def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = False
+            ) -> list[dict]:
+    """Simulated peak and time of the fixed strategies (and the best uniform count that fits
+    `budget`) on one chain: the rows of `rematlab plan`'s comparison table. `per_layer`: a
+    model running its own layer loop, where the baseline is every layer checkpointed
+    (transformers' gradient checkpointing) and selective's picks one layer each."""
+    n = costs.n
+    rows = []
+    none_peak, none_time = simulate(none_plan(n), costs)
+    if per_layer:
+        fixed = [none_plan(n), every_layer_plan(n),
+                 selective_per_layer(costs)]
+    else:
+        uniform = [uniform_plan(n, k) for k in range(2, n + 1)]
+        fitting = [p for p in uniform if budget is None or simulate(p, costs)[0] <= budget]
+        best_uniform = min(fitting or uniform, key=lambda p: simulate(p, costs)[1] if fitting
+                           else simulate(p, costs)[0])
+        fixed = [none_plan(n), best_uniform, sqrt_plan(n), selective_plan(costs)]
+    for p in fixed:
+        peak, time = simulate(p, costs)
+        rows.append({"strategy": p.name, "peak": peak, "time": time,
+                     "overhead": overhead(time, none_time), "peak_ratio": peak / none_peak,
+                     "fits": budget is None or peak <= budget, "plan": p.describe()})
+    return rows
+
+
+@dataclass(frozen=True)
+class Replan:
+    """One plan `AutoRemat` made: for which input shapes, why, within which budget."""
+
+    shapes: tuple
+    reason: str
+    budget: int
+    plan: str
+    peak: int
+
+
+class AutoRemat(nn.Module):
+    """Plans on the first training batch and re-plans, cached per input shape, when the
+    shapes change. Evaluation and no-grad calls run the model plainly. Takes the model's own
+    arguments (a tensor, several, or keywords as a Hugging Face model does).
+
+    With `budget="auto"` the budget is derived from the device for every new shape, and
+    derived again at most every `recheck_s` seconds of training calls: a cached plan whose
+    peak no longer fits (another process took memory) is re-planned, and so is one that
+    checkpoints while the budget has grown by more than `REGROW` (memory was freed: a faster
+    plan may fit). Every plan is logged on the `rematlab` logger and kept in `events`."""
+
+    REGROW = 1.25
+
+    def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
+                 blocks: list[nn.Module] | str | list[str] | None = None,
+                 loss_fn: LossFn | None = None, predict: bool = False,
+                 recheck_s: float = 10.0) -> None:
+        super().__init__()
+        self.model = model
+        self.budget = checked(budget)  # 'auto' is derived again for every new shape
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.predict = predict
+        self.recheck_s = recheck_s
+        self._blocks = blocks
+        self.plans: dict[tuple, nn.Module] = {}
+        self.events: list[Replan] = []
+        self._chosen: dict[tuple, Plan] = {}
+        self._state: dict[tuple, int] = {}  # optimizer-state bytes each plan counted
+        self._checked = time.monotonic()
+        self._stepped = False  # after a training call the optimizer's state exists
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*args, **kwargs)
+        batch: Any = kwargs if not args else (args[0] if len(args) == 1 and not kwargs
+                                              else args)
+        if args and kwargs:
+            raise ConfigError("auto() takes positional or keyword inputs, not both")
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(batch))
+        if key not in self.plans:
+            self._plan(key, batch, "new input shapes")
+        elif is_auto(self.budget) and time.monotonic() - self._checked >= self.recheck_s:
+            self._recheck(key, batch)
+        self._stepped = True
+        return call(self.plans[key], batch)
+
+    def _recheck(self, key: tuple, batch: Any) -> None:
+        """Derive the budget again; re-plan when the cached plan no longer fits it, or when
+        it checkpoints and the budget has grown."""
+        self._checked = time.monotonic()
+        chosen = self._chosen[key]
+        now = derive(self.budget, self.model, batch, self._state[key]).nbytes
+        peak = chosen.measured_peak or chosen.predicted_peak or 0
+        if peak > now:
+            self._plan(key, batch, f"budget fell to {format_bytes(now)}, below the plan's "
+                                   f"peak {format_bytes(peak)}")
+        elif chosen.segments and now > self.REGROW * (chosen.budget or now):
+            self._plan(key, batch, f"budget grew to {format_bytes(now)} from "
+                                   f"{format_bytes(chosen.budget or 0)}")
+
+    def _plan(self, key: tuple, batch: Any, reason: str) -> None:
+        planning = prepare(self.model, detached(batch), optimizer=self.optimizer,
+                           blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict)
+        # after a training call the user's optimizer holds its state: resident, as the
+        # parameters are (CPU; on CUDA the process's held memory already counts it)
+        state = planning.costs.state if self._stepped else 0
+        derived = derive(self.budget, self.model, batch, state)
+        chosen = planning.choose(derived.nbytes)
+        self._chosen[key], self._state[key] = chosen, planning.costs.state
+        self.plans[key] = apply(self.model, chosen, blocks=self._blocks, example_input=batch)
+        event = Replan(tuple(k[0] for k in key), reason, derived.nbytes, chosen.describe(),
+                       chosen.measured_peak or chosen.predicted_peak or 0)
+        self.events.append(event)
+        _log.info("rematlab.auto: planned %s for shapes %s (%s): budget %s (%s)",
+                  event.plan, event.shapes, reason, format_bytes(derived.nbytes), derived.how)
+
+
+def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:
+    """`model` wrapped so that every new input shape gets its own optimal plan."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"auto() needs an nn.Module, got {type(model).__name__}")
+    return AutoRemat(model, budget, **kwargs)

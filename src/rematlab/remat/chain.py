@@ -1,0 +1,248 @@
+"""Each block of a chain gets its costs.
+
+`profile_chain` runs every block once forward and backward with the live-tensor tracker:
+input/output bytes, saved bytes (parameters excluded), the transient peaks of forward and
+backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. There the
+transient peaks are also read from the allocator (`probes.allocator_trace`), which sees the
+scratch buffers kernels allocate inside an op; the larger figure is kept. With `compile`, each
+block also runs under `torch.compile` and its memory and times are replaced by what the
+compiled block saves, allocates and takes (inductor fuses kernels and saves different tensors;
+only the allocator and saved-tensor hooks see inside compiled code). On the
+`meta` device nothing is computed and times are replaced by FLOPs: a prediction, not a
+measurement, which is how the planner works before it has touched the hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from rematlab.core.probes import (
+    LiveTensorTracker,
+    allocator_trace,
+    clock_for,
+    rounded,
+    storage_key,
+)
+from rematlab.core.steps import make_optimizer, preserved
+from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import ChainCosts
+from rematlab.remat.tracing import meta_copy
+
+
+def profile_chain(
+    blocks: list[nn.Module],
+    example_input: torch.Tensor,
+    device: torch.device | None = None,
+    optimizer: str | None = "sgd",
+    repeats: int = 3,
+    unit: int = 1,
+    compile: bool = False,
+) -> ChainCosts:
+    """Per-block costs at the example input's batch size (see module docstring); `unit`
+    rounds every allocation up to the allocator's block size (512 for CUDA predictions)."""
+    device = device or example_input.device
+    meta = device.type == "meta"
+    if meta and compile:
+        raise ConfigError("compiled costs must be measured: they cannot be predicted on meta")
+    run = [meta_copy(b) for b in blocks] if meta else blocks
+    x = example_input.to(device)
+    base_input = rounded(x.element_size() * x.numel(), unit)
+    fields: dict[str, list] = {k: [] for k in (
+        "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
+        "fwd_time", "bwd_time", "fwd_flops")}
+    params_bytes = 0
+    for i, block in enumerate(run):
+        x_in = block_input(x, needs_grad=i > 0)
+        with preserved(block):
+            r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
+        if compile:
+            with preserved(block), compiling():
+                r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
+                                                         compile=True).items()
+                          if k in COMPILED_KEYS})
+        for key, value in r.items():
+            if key in fields:
+                fields[key].append(value)
+        params_bytes += r["params"]
+        x = r["out"]
+    fields["x"].append(rounded(x.element_size() * x.numel(), unit))
+    if meta:
+        fields["fwd_time"] = list(fields["fwd_flops"])
+        fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
+    state, transient = optimizer_memory([p for b in run for p in b.parameters()], optimizer,
+                                        unit)
+    out_bytes = fields["x"][-1]
+    # the output (alive until the step ends, as in a user's loop), the loss's saved tensor
+    # (log-softmax) and the output's gradient, int64 labels (see `rematlab.core.steps`)
+    loss_bytes = 3 * out_bytes + 8 * x.shape[0]
+    grads = sum(fields["grad"])
+    return ChainCosts(
+        **fields,
+        base=params_bytes + state + base_input + loss_bytes,
+        state=state,
+        optimizer_peak=params_bytes + grads + state + transient + base_input,
+    )
+
+
+def block_input(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
+    """A block's input as in a real step: the output of an op, not a leaf (a block may
+    change its input in place, which autograd forbids on a leaf that requires grad)."""
+    if not (needs_grad and x.is_floating_point()):
+        return x.detach()
+    return x.detach().requires_grad_().clone()
+
+
+def _saved_recorder(block: nn.Module, unit: int, exclude: frozenset = frozenset()
+                    ) -> tuple[dict, Callable]:
+    """A saved-tensor pack hook that records the storages saved for backward, parameters,
+    buffers and the storages in `exclude` left out, and the dict it fills (key -> bytes)."""
+    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]} | exclude
+    saved: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in params:
+            saved[key] = rounded(t.untyped_storage().nbytes(), unit)
+        return t
+
+    return saved, pack
+
+
+def _unit_loss(out: torch.Tensor) -> torch.Tensor:
+    """sum(out * 1): its backward makes the output gradient inside autograd, which frees it
+    once consumed, as in a real step (a gradient passed in from outside would stay alive)."""
+    return (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+
+
+def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
+                  run: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  others: list[torch.Tensor] | None = None, compile: bool = False) -> dict:
+    """Costs of one block on `x_in`, the one block profiler (chains and layers, eager and
+    compiled). `run(x)` calls the block and returns its output tensor (a layer of a real model
+    takes more arguments and may return a tuple); `others` are those other tensor arguments,
+    whose storages are not the block's saved bytes. With `compile`, the block runs under
+    `torch.compile` (warmed up first): the live-tensor tracker cannot see inside compiled
+    code, so memory comes from the allocator and saved-tensor hooks alone, and FLOPs are
+    left to the eager profile."""
+    if compile:
+        run = compiled(run or block)
+        for _ in range(2):  # compile forward and backward outside the measurement
+            out = run(x_in)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+        del out
+        for p in block.parameters():
+            p.grad = None
+    run = run or block
+    exclude = frozenset(storage_key(t) for t in others or ())
+    saved, pack = _saved_recorder(block, unit, exclude)
+    tracker = LiveTensorTracker(unit=unit)
+    # parameters, buffers and other arguments exist before the block runs: tracked up front,
+    # so that views of them (a Linear's `weight.t()`) are not counted as new memory
+    tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
+    counting = contextlib.nullcontext() if compile else tracker
+    flops = FlopCounterMode(display=False)
+    allocator = None if x_in.device.type == "meta" else allocator_trace(x_in.device)
+    phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
+    bwd_mem = 0
+    with allocator or contextlib.nullcontext():
+        before = tracker.live
+        with phase("forward"), counting, flops if not compile else contextlib.nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run(x_in)
+        fwd_mem = tracker.peak - before
+        kin, kout = storage_key(x_in), storage_key(out)
+        nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
+        out_bytes = rounded(out.element_size() * out.numel(), unit)
+        if out.requires_grad:
+            loss = _unit_loss(out)  # `bwd_mem` is the peak above the output gradient
+            del out  # autograd alone decides when the output dies, as in a real step
+            before_bwd = tracker.live
+            tracker.reset_peak()
+            with phase("backward"), counting:
+                loss.backward()
+            bwd_mem = tracker.peak - before_bwd - out_bytes
+    if allocator is not None:  # kernel workspaces, compiled code: only the allocator sees them
+        fwd_mem = max(fwd_mem, allocator.phases["forward"].transient)
+        if "backward" in allocator.phases:
+            bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
+    fwd_time, bwd_time = _time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
+    return {
+        "x": rounded(x_in.element_size() * x_in.numel(), unit),
+        "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
+        "keeps_input": kin in saved,
+        "keeps_output": kout in saved,
+        "fwd_mem": fwd_mem,
+        "bwd_mem": bwd_mem,
+        "grad": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()
+                    if p.requires_grad),
+        "fwd_time": fwd_time,
+        "bwd_time": bwd_time,
+        "fwd_flops": float(flops.get_total_flops()),
+        "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
+        "out": nxt,
+    }
+
+
+COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "fwd_time",
+                 "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Lift dynamo's per-code-object recompile limit while planning compiles many blocks and
+    plans: they share code objects (`Sequential.forward`, `RematChain.forward`), and past the
+    limit (8) dynamo silently runs eager, which would be profiled as if compiled."""
+    with torch._dynamo.config.patch(recompile_limit=100_000,
+                                    accumulated_recompile_limit=100_000):
+        yield
+
+
+def compiled(fn: Callable) -> Callable:
+    """`torch.compile` with static shapes: a plan is made for one input shape."""
+    return torch.compile(fn, dynamic=False)
+
+
+def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
+                repeats: int) -> tuple[float, float]:
+    clock = clock_for(x_in.device)
+    fwd, bwd = [], []
+    for _ in range(repeats + 1):  # the first round warms up
+        clock.start()
+        out = block(x_in)
+        fwd.append(clock.stop())
+        grad = torch.ones_like(out)
+        clock.start()
+        if out.requires_grad:
+            out.backward(grad)
+        bwd.append(clock.stop())
+    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+
+
+def optimizer_memory(params: list[torch.Tensor], name: str | None, unit: int = 1
+                     ) -> tuple[int, int]:
+    """Bytes of optimizer state and the transient peak of a step, measured on tensors shaped
+    like `params` on their device (meta costs nothing); (0, 0) without an optimizer."""
+    if name is None:
+        return 0, 0
+    trainable = [p for p in params if p.requires_grad]
+    clones = [nn.Parameter(torch.zeros_like(p)) for p in trainable]
+    for c in clones:
+        c.grad = torch.zeros_like(c)
+    opt = make_optimizer(name, clones)
+    tracker = LiveTensorTracker(unit=unit)
+    tracker.track([*clones, *(c.grad for c in clones)])
+    with tracker:
+        opt.step()
+    before = tracker.live
+    state = before - sum(2 * rounded(c.numel() * c.element_size(), unit) for c in clones)
+    tracker.reset_peak()
+    with tracker:
+        opt.step()
+    return state, tracker.peak - before

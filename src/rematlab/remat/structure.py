@@ -1,0 +1,89 @@
+"""How rematlab drives a model: as a chain it runs itself, or as layers the model runs.
+
+A *chain* (`nn.Sequential`, blocks given as modules, or a model `torch.fx` cuts into
+single-tensor blocks) is run block by block by `strategies.RematChain`, so any plan — nested
+segments of several blocks — can be executed. Any other model (several inputs, dict batches,
+Hugging Face outputs, untraceable code) is driven through its *layers*
+(`rematlab.remat.layers`): the model runs its own loop and rematlab checkpoints single layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rematlab.exceptions import ConfigError
+from rematlab.remat.layers import find_layers
+from rematlab.remat.tracing import find_chain
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The blocks of a model and how they run: `kind` is "chain" or "layers"; `how` says how
+    they were found (sequential, given, fx, named, repeated)."""
+
+    kind: str
+    blocks: list[nn.Module]
+    how: str
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks of the plan: the chain's, or the layers plus one before and one after."""
+        return len(self.blocks) + (2 if self.kind == "layers" else 0)
+
+    def describe(self) -> str:
+        if self.kind == "chain":
+            return f"chain of {len(self.blocks)} blocks ({self.how})"
+        first = self.names[0] if self.names else "?"
+        return (f"{len(self.blocks)} layers ({self.how}: {first}, ...) run by the model's own "
+                "loop; single layers checkpointed")
+
+
+def structure(model: nn.Module, example: object = None,
+              blocks: list[nn.Module] | str | list[str] | None = None) -> Structure:
+    """See the module docstring. `blocks`: modules (a chain rematlab runs) or names of the
+    model's layers (`"transformer.h"`)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
+    if blocks is not None and not isinstance(blocks, str) and all(
+            isinstance(b, nn.Module) for b in blocks):
+        return Structure("chain", list(blocks), "given")
+    if blocks is not None:
+        named = find_layers(model, blocks)
+        return Structure("layers", [m for _, m in named], "named", [n for n, _ in named])
+    if isinstance(model, nn.Sequential):
+        return Structure("chain", list(model), "sequential")
+    if example is None or isinstance(example, torch.Tensor):
+        with contextlib.suppress(ConfigError):
+            info = find_chain(model, example, quiet=True)
+            stacks = _stacks_inside(model, info.blocks)
+            if stacks:
+                named = find_layers(model, stacks)
+                return Structure("layers", [m for _, m in named],
+                                 f"inside an {info.method} block", [n for n, _ in named])
+            if len(info.blocks) > 1:
+                return Structure("chain", info.blocks, info.method)
+    named = find_layers(model)
+    return Structure("layers", [m for _, m in named], "repeated", [n for n, _ in named])
+
+
+def _stacks_inside(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    """Names of the layer stacks (a `ModuleList`/`Sequential` of two or more modules of one
+    class) that sit whole inside one block of a chain. fx keeps torch.nn's own containers
+    (`nn.TransformerEncoder`) as leaves, so a chain can hold a whole encoder in one block and
+    have nothing to checkpoint: such a model is driven through the stack's layers instead."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found: list[str] = []
+    for block in blocks:
+        for m in block.modules():
+            name = names.get(id(m))
+            if name is None or not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+                continue
+            if len({type(c) for c in m.children()}) == 1 and not any(
+                    name.startswith(f"{f}.") for f in found):
+                found.append(name)
+    return found

@@ -1,0 +1,2 @@
+"""The study: grids, sweeps (local or Ray) into the store, statistics, predictors and
+the report."""

@@ -1,0 +1,298 @@
+"""One command reproduces the study: sweep -> predictors -> statistics -> the largest batch
+under a cap -> planner demonstrations -> gradient-estimator comparison -> report.
+
+Every stage reports progress and stores what it produced under `out/cache/`, keyed by what
+it depends on (the dataset's content, the settings); running the study again reuses each
+stage whose inputs did not change, and the sweep itself resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from rematlab.core.files import jsonable, write_text
+from rematlab.core.guard import trusted_only
+from rematlab.study.grid import Grid, load_grid
+from rematlab.study.store import Store, load
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    grid: str = "quick"
+    db: Path = Path("results/quick.duckdb")
+    out: Path = Path("results/study")
+    backend: str = "local"
+    device: str | None = None
+    gradient_models: tuple[str, ...] = ("bert-topics",)  # the paper's regime (gradients.peft)
+    gradient_budgets: tuple[int, ...] = (1,)
+    gradient_seeds: int = 3
+    gradient_steps: int = 600
+    gradient_batch: int = 32
+    plan_fractions: tuple[float, ...] = (0.1, 0.5, 0.9)
+
+
+class _Cache:
+    def __init__(self, root: Path) -> None:
+        self.root = root / "cache"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, stage: str, key: str) -> dict | None:
+        path = self.root / f"{stage}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                return data["value"]
+        return None
+
+    def put(self, stage: str, key: str, value: dict) -> None:
+        write_text(self.root / f"{stage}.json",
+                   json.dumps({"key": key, "value": value}, default=jsonable))
+
+
+def _fingerprint(db: Path) -> str:
+    with Store(db, read_only=True) as store:
+        ids = sorted(store.done())
+    return hashlib.sha256("".join(ids).encode()).hexdigest()[:16]
+
+
+def _sweep_info(sweeps: pd.DataFrame) -> dict:
+    """Wall time and overhead of the latest completed sweep that measured configurations.
+    A rerun that found every configuration stored measured nothing: its own figures (0 s,
+    100 % overhead) say nothing, so the report gives the sweep that did the work and says
+    that this run reused it."""
+    completed = sweeps[sweeps["status"] == "complete"].sort_values("started_at")
+    worked = completed[completed["configs"] > 0]
+    if not len(worked):
+        return {}
+    last = worked.iloc[-1]
+    return {"wall_s": float(last["wall_s"] or 0), "measured_s": float(last["measured_s"] or 0),
+            "harness_overhead": float(last["harness_overhead"] or 0),
+            # NULL in sweeps stored before schema v4: no wait was recorded, not NaN seconds
+            "waited_s": float(last["waited_s"]) if pd.notna(last.get("waited_s")) else 0.0,
+            "started_at": str(last["started_at"])[:19],
+            "reused": bool(completed.iloc[-1]["sweep_id"] != last["sweep_id"])}
+
+
+def run_study(settings: StudySettings, say: Say = print,
+              sweep_runner: Callable[[Grid, Path], object] | None = None) -> tuple[Path, Path]:
+    """The whole study; returns the paths of report.html and report.md."""
+    from rematlab.study.report import StudyResults, render
+
+    grid = load_grid(settings.grid)
+    if settings.device:
+        grid = grid.model_copy(update={"devices": [settings.device]})
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    cache = _Cache(out)
+
+    say(f"[1/7] sweep: {len(grid.expand())} configurations of grid {grid.name} -> "
+        f"{settings.db}")
+    if sweep_runner is not None:
+        result = sweep_runner(grid, settings.db)
+    else:
+        from rematlab.study.sweep import sweep
+
+        result = sweep(grid, settings.db, backend=settings.backend)
+    if getattr(result, "interrupted", False):
+        raise KeyboardInterrupt
+    with Store(settings.db, read_only=True) as store:
+        sweeps = store.frame("sweeps")
+    sweep_info = _sweep_info(sweeps)
+    summary, runs = load(settings.db, "config_summary"), load(settings.db)
+    sweep_info["untrusted"] = trusted_only(summary)[1]
+    key = _fingerprint(settings.db)
+
+    say("[2/7] predictors: features, evaluation, fit")
+    pred = cache.get("predict", key)
+    if pred is None:
+        pred = _predict_stage(summary, out)
+        cache.put("predict", key, pred)
+
+    caps = grid_caps(summary)
+    say("[3/7] statistics and guidelines")
+    stats = cache.get("stats", key)
+    if stats is None:
+        from rematlab.study.stats import analyze
+
+        stats = analyze(summary, runs, memory_cap=caps).to_dict()
+        cache.put("stats", key, stats)
+
+    say("[4/7] the largest batch under each architecture's cap, without and with remat")
+    batch_key = f"{key}|{grid.devices[0]}|{sorted(caps.items())}"
+    batches = cache.get("batches", batch_key)
+    if batches is None:
+        batches = {"rows": _batch_stage(grid, caps, say)}
+        cache.put("batches", batch_key, batches)
+    stats["guidelines"] = with_batches(stats.get("guidelines", []), batches["rows"])
+
+    say("[5/7] planner demonstrations")
+    plan_key = f"{key}|{settings.plan_fractions}|{grid.devices[0]}"
+    plans = cache.get("plans", plan_key)
+    if plans is None:
+        plans = {"rows": _plan_stage(grid, settings, out, say)}
+        cache.put("plans", plan_key, plans)
+
+    say("[6/7] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
+    grad_key = json.dumps([settings.gradient_models, settings.gradient_budgets,
+                           settings.gradient_seeds, settings.gradient_steps,
+                           settings.gradient_batch])
+    grads = cache.get("gradients", grad_key)
+    if grads is None:
+        from rematlab.gradients.comparison import compare
+
+        grads = compare(list(settings.gradient_models), list(settings.gradient_budgets),
+                        settings.gradient_seeds, steps=settings.gradient_steps,
+                        batch=settings.gradient_batch,
+                        progress=lambda m: say(f"      {m}")).to_dict()
+        cache.put("gradients", grad_key, grads)
+
+    say("[7/7] report")
+    res = StudyResults(
+        grid=grid.name, summary=summary, runs=runs,
+        evaluation=pd.DataFrame(pred["evaluation"]),
+        predictions=pd.DataFrame(pred["predictions"]),
+        predictor_models=pred["models"], stats=stats, plans=pd.DataFrame(plans["rows"]),
+        batches=pd.DataFrame(batches["rows"]),
+        gradients=grads, sweep=sweep_info)
+    return render(res, out)
+
+
+def _predict_stage(summary: pd.DataFrame, out: Path) -> dict:
+    from rematlab.study.predictor import fit_and_evaluate
+
+    predictor, evaluation, data = fit_and_evaluate(summary, out / "predictor.skops")
+    predictions = [{"target": t, "measured": float(m), "predicted": float(p)}
+                   for t in ("time", "memory")
+                   for m, p in zip(data[t], predictor.oof_[t], strict=True)]
+    return {"evaluation": evaluation.to_dict(orient="records"), "predictions": predictions,
+            "models": dict(predictor.names_)}
+
+
+def grid_caps(summary: pd.DataFrame) -> dict[str, int]:
+    """Each architecture's memory cap, derived from the grid: between the measured peaks of
+    `none` at its two largest batch sizes (their geometric mean), so that without remat the
+    second-largest fits and the largest does not — the boundary where remat can matter."""
+    ok = summary[(summary["outcome"] == "ok") & (summary["cfg_strategy"] == "none")]
+    caps = {}
+    for model, g in ok.groupby("cfg_model"):
+        peaks = g.groupby("cfg_batch")["peak_bytes_median"].median().sort_index()
+        if len(peaks) >= 2:
+            caps[str(model)] = int(math.sqrt(float(peaks.iloc[-1]) * float(peaks.iloc[-2])))
+    return caps
+
+
+def _batch_stage(grid: Grid, caps: dict[str, int], say: Say) -> list[dict]:
+    """`max_batch` for each zoo architecture of the grid at its cap: the largest batch and
+    its throughput without remat and with the optimal plan."""
+    from rematlab.measurement import zoo
+    from rematlab.planning.maxbatch import max_batch
+
+    device = torch.device(grid.devices[0])
+    rows, seen = [], set()
+    for spec in grid.expand():
+        if spec.model not in zoo.REGISTRY or spec.model in seen or spec.model not in caps:
+            continue
+        seen.add(spec.model)
+        net, shape, _ = zoo.resolve(spec.model, spec.input)
+        torch.manual_seed(spec.seed)
+        net = net.to(device).train()
+        found = max_batch(net, torch.randn(8, *shape, device=device), caps[spec.model],
+                          optimizer=spec.optimizer, repeats=3)
+        none, best = found.fit("none"), found.fit("optimal")
+        say(f"      {spec.model} cap {caps[spec.model] / 2**20:.1f} MiB: batch {none.batch} "
+            f"-> {best.batch} with remat ({found.search_s:.1f} s search)")
+        rows.append({
+            "model": spec.model, "cap_MiB": round(caps[spec.model] / 2**20, 1),
+            "batch_none": none.batch, "batch_remat": best.batch, "samples_s_none": none.throughput,
+            "samples_s_remat": best.throughput,
+            "throughput_ratio": (best.throughput / none.throughput
+                                 if best.throughput and none.throughput else None),
+            "plan": best.plan, "search_s": found.search_s})
+    return rows
+
+
+def with_batches(guidelines: list[dict], batches: list[dict]) -> list[dict]:
+    """The guidelines with each architecture's cap, the largest batch without and with remat
+    under it ('none -> remat', measured by `max_batch`), and 'enables batch under cap': the
+    smallest batch that only remat fits — the grid's own answer when one of its batch sizes
+    is that batch, else the one `max_batch` measured (none's largest plus one), or 'none'."""
+    by_model = {r["model"]: r for r in batches}
+    out = []
+    for row in guidelines:
+        found = by_model.get(row["architecture"])
+        if found is not None:
+            none, remat = found["batch_none"], found["batch_remat"]
+            enables = row.get("enables batch under cap")
+            if enables is None or (isinstance(enables, float) and math.isnan(enables)):
+                enables = none + 1 if remat > none else "none"
+            row = {**row, "enables batch under cap": enables, "cap (MiB)": found["cap_MiB"],
+                   "largest batch under cap (none -> remat)": f"{none} -> {remat}"}
+        out.append(row)
+    return out
+
+
+def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> list[dict]:
+    """For each zoo model of the grid at its largest batch: plans at a few budgets between
+    the floor and the unconstrained peak, verified, then measured as a training step; beside
+    each, the best uniform count that fits the same budget (simulated)."""
+    from rematlab.measurement import zoo
+    from rematlab.measurement.measure import Spec, measure
+    from rematlab.planning.planner import prepare
+    from rematlab.plans.plan import none_plan, overhead, simulate
+
+    device = torch.device(grid.devices[0])
+    rows = []
+    (out / "plans").mkdir(exist_ok=True)
+    specs = grid.expand()
+    largest: dict[tuple[str, str | None], int] = {}
+    for s in specs:
+        key = (s.model, s.input)
+        largest[key] = max(largest.get(key, 0), s.batch)
+    seen = set()
+    for spec in specs:
+        if spec.model not in zoo.REGISTRY or (spec.model, spec.input) in seen:
+            continue
+        seen.add((spec.model, spec.input))
+        batch = largest[(spec.model, spec.input)]
+        net, shape, _ = zoo.resolve(spec.model, spec.input)
+        net = net.to(device).train()
+        x = torch.randn(batch, *shape, device=device)
+        planning = prepare(net, x, optimizer=spec.optimizer)
+        solution, costs = planning.solution, planning.costs
+        full, full_time = simulate(none_plan(costs.n), costs)
+        budgets = {int(solution.min_peak + f * (full - solution.min_peak)): f
+                   for f in settings.plan_fractions}  # one budget when floor == full
+        for budget, frac in budgets.items():
+            chosen = planning.choose(budget)
+            path = out / "plans" / f"{spec.model}-{spec.input}-b{batch}-{frac:g}.json"
+            write_text(path, chosen.to_json())
+            obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,
+                               strategy=f"plan:{path}", device=str(device), repeats=3,
+                               optimizer=spec.optimizer))
+            say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: "
+                f"{chosen.describe()}")
+            uniform = next((r for r in planning.baselines(budget)
+                            if r["strategy"].startswith("uniform")), None)
+            rows.append({"model": spec.model, "input": spec.input, "batch": batch,
+                         "budget": budget, "floor": solution.min_peak, "plan": chosen.describe(),
+                         "predicted_peak": chosen.predicted_peak,
+                         "measured_peak": obs.peak if obs.outcome == "ok" else None,
+                         "within_budget": bool(obs.peak is not None and obs.peak <= budget),
+                         "predicted_overhead": overhead(chosen.predicted_time or 0.0,
+                                                       full_time),
+                         "step_s": obs.median() if obs.outcome == "ok" else None,
+                         # the best uniform count that fits the same budget (simulated)
+                         "uniform": uniform["strategy"] if uniform else None,
+                         "uniform_fits": bool(uniform and uniform["fits"]),
+                         "uniform_overhead": uniform["overhead"] if uniform else None})
+    return rows
