@@ -22,14 +22,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from rematlab.core.guard import remeasured, trusted_only
-from rematlab.core.units import markdown_table
 from rematlab.study.grid import load_grid
 from rematlab.study.predictor import fit_and_evaluate
 from rematlab.study.reproduce import grid_caps
 from rematlab.study.stats import analyze
-from rematlab.study.store import harness_overhead, load
+from rematlab.study.store import harness_overhead, load, remeasured, trusted_only
 from rematlab.study.sweep import SweepResult, sweep
+from rematlab.study.tables import markdown_table
 
 
 def burn(stop: mp.synchronize.Event, persistent: bool, seed: int = 0) -> None:

@@ -22,10 +22,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import rematlab
-from rematlab.core.steps import call, default_loss
-from rematlab.core.units import markdown_table
-from rematlab.exceptions import InfeasibleBudgetError, format_bytes
+from rematlab.core.batch import call
+from rematlab.core.steps import default_loss
+from rematlab.core.units import format_bytes
+from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.remat.chain import compiling
+from rematlab.study.tables import markdown_table
 
 MODELS = {
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(

@@ -24,8 +24,7 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rematlab.core.units import parse_bytes
-from rematlab.exceptions import format_bytes
+from rematlab.core.units import format_bytes, parse_bytes
 from rematlab.measurement import zoo
 from rematlab.planning.maxbatch import BatchSearch, max_batch
 

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from rematlab import Spec
-from rematlab.exceptions import format_bytes
-from rematlab.measurement import measure, zoo
+from rematlab.core.units import format_bytes
+from rematlab.measurement import zoo
+from rematlab.measurement.measure import measure
 from rematlab.planning.planner import prepare
 from rematlab.plans.plan import Plan, simulate
 

@@ -25,8 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rematlab.core.steps import call, default_loss, make_optimizer
-from rematlab.exceptions import InfeasibleBudgetError, format_bytes
+from rematlab.core.batch import call
+from rematlab.core.steps import default_loss, make_optimizer
+from rematlab.core.units import format_bytes
+from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import prepare
 from rematlab.plans.plan import Plan, uniform_plan
 from rematlab.remat.strategies import apply

@@ -14,8 +14,8 @@ import sys
 import torch
 
 from rematlab import Spec
-from rematlab.exceptions import format_bytes
-from rematlab.measurement import measure
+from rematlab.core.units import format_bytes
+from rematlab.measurement.measure import measure
 
 CASES = [("vgg16", "cifar", 128), ("mlp7", "mnist", 2048)]
 STRATEGIES = ["none", "uniform:2", "uniform:4", "every:1", "every:2", "sqrt", "selective"]

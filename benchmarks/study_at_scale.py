@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from rematlab.core.guard import remeasured, trusted_only
-from rematlab.core.units import markdown_table, percent_columns
 from rematlab.study.grid import load_grid
 from rematlab.study.predictor import fit_and_evaluate
 from rematlab.study.report import STUDY_R2
 from rematlab.study.reproduce import grid_caps
 from rematlab.study.stats import analyze
-from rematlab.study.store import config_id, harness_overhead, load
+from rematlab.study.store import config_id, harness_overhead, load, remeasured, trusted_only
+from rematlab.study.tables import markdown_table, percent_columns
 
 
 def sweep_section(db: Path, grid: str) -> list[str]:

@@ -2,7 +2,8 @@
 
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from rematlab.core.steps import call, default_loss, make_optimizer, tensors
+from rematlab.core.batch import call, tensors
+from rematlab.core.steps import default_loss, make_optimizer
 
 
 def own_loop_peak(model, batch) -> int:

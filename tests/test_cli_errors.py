@@ -8,7 +8,8 @@ import duckdb
 import pytest
 import torch
 
-from rematlab.measurement.measure import Spec, failed_row
+from rematlab.measurement.measure import failed_row
+from rematlab.measurement.spec import Spec
 from rematlab.study.store import Store, config_id
 from tests import clirun
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import rematlab
-from rematlab.core.steps import call, default_loss
+from rematlab.core.batch import call
+from rematlab.core.steps import default_loss
 from rematlab.remat.chain import compiling
 from tests import realzoo
 

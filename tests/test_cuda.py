@@ -5,10 +5,12 @@ import pytest
 import torch
 
 import rematlab
+from rematlab.core.batch import call
 from rematlab.core.probes import CudaEventClock, StepMemory, WallClock
-from rematlab.core.steps import call, default_loss
+from rematlab.core.steps import default_loss
 from rematlab.measurement import zoo
-from rematlab.measurement.measure import Spec, measure
+from rematlab.measurement.measure import measure
+from rematlab.measurement.spec import Spec
 from rematlab.planning.planner import prepare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")

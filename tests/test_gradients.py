@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import comparison as gradients
 from rematlab.gradients import peft
-from rematlab.gradients.comparison import summarize, train, verdict
+from rematlab.gradients.comparison import summarize, verdict
 from rematlab.gradients.estimators import (
     Method,
     direction,
@@ -16,6 +16,7 @@ from rematlab.gradients.estimators import (
     zo_gradient,
 )
 from rematlab.gradients.tasks import for_finetuning
+from rematlab.gradients.training import train
 from rematlab.measurement.zoo import mlp
 
 

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import rematlab
+from rematlab.core.batch import resized
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning import planner
 from rematlab.planning.budget import DeviceBudget
-from rematlab.planning.maxbatch import confirmed, largest, max_batch, resized
+from rematlab.planning.maxbatch import confirmed, largest, max_batch
 from rematlab.planning.planner import step_peak
 from rematlab.plans.plan import none_plan, simulate
 from tests import clirun, realzoo

@@ -10,7 +10,8 @@ from rematlab.core.guard import POLL_S, Guard
 from rematlab.core.probes import CpuAllocatorTrace, LiveTensorTracker, Span
 from rematlab.core.steps import make_optimizer
 from rematlab.exceptions import ConfigError
-from rematlab.measurement import measure, zoo
+from rematlab.measurement import zoo
+from rematlab.measurement.measure import measure
 
 
 class ConstantClock:

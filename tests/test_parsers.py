@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
-from rematlab.measurement.measure import parse_device
+from rematlab.measurement.spec import parse_device
 from rematlab.measurement.zoo import parse_shape
 from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import parse

@@ -5,9 +5,11 @@ import pytest
 import torch
 
 import rematlab
-from rematlab.core.steps import call, default_loss, detached
+from rematlab.core.batch import call, detached
+from rematlab.core.steps import default_loss
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.remat.layers import find_layers, remat_of
+from rematlab.remat.find import find_layers
+from rematlab.remat.layers import remat_of
 from tests import realzoo
 from tests.meters import own_loop_peak
 

@@ -3,7 +3,8 @@ from html.parser import HTMLParser
 
 import pandas as pd
 
-from rematlab.gradients.comparison import summarize, train, verdict
+from rematlab.gradients.comparison import summarize, verdict
+from rematlab.gradients.training import train
 from rematlab.study.report import StudyResults, render
 from rematlab.study.stats import Settings, analyze
 from tests import synthetic

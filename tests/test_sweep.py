@@ -9,10 +9,9 @@ import duckdb
 import pandas as pd
 import pytest
 
-from rematlab.core.guard import trusted_only
 from rematlab.exceptions import ConfigError
 from rematlab.study.grid import load_grid
-from rematlab.study.store import MIGRATIONS, SCHEMA_VERSION, Store, load
+from rematlab.study.store import MIGRATIONS, SCHEMA_VERSION, Store, load, trusted_only
 from rematlab.study.sweep import sweep
 from tests import clirun
 
@@ -307,7 +306,7 @@ def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps
     ("tests.userzoo:tiny", "ok", None),
 ])
 def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, outcome, needle):
-    from rematlab.measurement.measure import Spec
+    from rematlab.measurement.spec import Spec
     from rematlab.study.sweep import run_isolated
 
     spec = Spec(model=model, batch=4, input_shape=(4,), repeats=1)
@@ -319,7 +318,7 @@ def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, 
 
 
 def test_a_warm_worker_measures_configurations_in_turn_and_is_replaced_after_a_death():
-    from rematlab.measurement.measure import Spec
+    from rematlab.measurement.spec import Spec
     from rematlab.study.sweep import Worker
 
     tiny = Spec(model="tests.userzoo:tiny", batch=4, input_shape=(4,), repeats=1)

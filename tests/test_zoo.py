@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rematlab.core.steps import make_example
+from rematlab.core.batch import make_example
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
 from rematlab.remat.tracing import meta_copy

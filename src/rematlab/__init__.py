@@ -8,7 +8,8 @@ sweep's dataset, `predict` step time and peak memory.
 """
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
-from rematlab.measurement.measure import Observation, Spec, measure
+from rematlab.measurement.measure import measure
+from rematlab.measurement.spec import Observation, Spec
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import Planning, auto, plan, prepare
 from rematlab.plans.plan import Plan

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rematlab.core.files import jsonable, refuse_overwriting_inputs, write_bytes, write_text
-from rematlab.core.units import format_number, parse_bytes
-from rematlab.exceptions import ConfigError, RematlabError, format_bytes
+from rematlab.core.units import format_bytes, format_number, parse_bytes
+from rematlab.exceptions import ConfigError, RematlabError
 from rematlab.planning.budget import checked, is_auto
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -103,8 +103,8 @@ def measure(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Measure one training configuration: step time, peak memory, saved bytes, FLOPs."""
-    from rematlab.measurement.measure import Spec
     from rematlab.measurement.measure import measure as run
+    from rematlab.measurement.spec import Spec
 
     spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
                 input_shape=_shape(input_shape), device=device, dtype=dtype,
@@ -165,9 +165,9 @@ def plan_cmd(
 ) -> None:
     """The fastest checkpointing plan whose whole-step peak fits the budget (or each of
     several budgets, from one profile)."""
-    from rematlab.core.steps import make_example
+    from rematlab.core.batch import make_example
     from rematlab.measurement import zoo
-    from rematlab.measurement.measure import available, parse_device
+    from rematlab.measurement.spec import available, parse_device
     from rematlab.planning.planner import prepare
 
     if compile and predict:
@@ -280,9 +280,9 @@ def max_batch_cmd(
 ) -> None:
     """The largest batch that fits the budget without remat and with the optimal plan, and
     the throughput (samples/s) of each: does remat pay off for this model?"""
-    from rematlab.core.steps import make_example
+    from rematlab.core.batch import make_example
     from rematlab.measurement import zoo
-    from rematlab.measurement.measure import available, parse_device
+    from rematlab.measurement.spec import available, parse_device
     from rematlab.planning.maxbatch import max_batch
 
     budget = checked(budget)
@@ -558,7 +558,7 @@ def predict_cmd(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Predict step time and peak memory of a configuration without running it."""
-    from rematlab.measurement.measure import Spec
+    from rematlab.measurement.spec import Spec
     from rematlab.study.predictor import predict
 
     spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
@@ -654,7 +654,7 @@ def study(
     device: Annotated[str | None, typer.Option(help="override the grid's devices")] = None,
 ) -> None:
     """Reproduce the whole study: sweep, predictors, statistics, plans, gradients, report."""
-    from rematlab.measurement.measure import available, parse_device
+    from rematlab.measurement.spec import available, parse_device
     from rematlab.study.grid import load_grid
     from rematlab.study.reproduce import StudySettings, run_study
 

@@ -1,8 +1,9 @@
 """rematlab's exceptions, all in one place and all subclasses of builtins.
 
 Callers catch by type, never by matching message strings: an infeasible budget carries the
-minimum feasible peak as an attribute. `format_bytes` lives here because the messages need
-it; parsing sizes from user input is `rematlab.core.units`.
+minimum feasible peak as an attribute. Sizes in messages are written by the raiser through
+`rematlab.core.units` (`infeasible` makes this module's budget error), which imports this
+module, never the reverse.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ class ConfigError(RematlabError, ValueError):
 class InfeasibleBudgetError(RematlabError, ValueError):
     """No plan fits the memory budget; `min_peak` is the smallest achievable step peak in bytes."""
 
-    def __init__(self, budget: int, min_peak: int) -> None:
+    def __init__(self, budget: int, min_peak: int, message: str | None = None) -> None:
         self.budget = budget
         self.min_peak = min_peak
-        super().__init__(
-            f"budget {format_bytes(budget)} is infeasible: the smallest peak for this model "
-            f"and batch is {format_bytes(min_peak)}"
-        )
+        super().__init__(message or f"budget {budget} bytes is infeasible: the smallest peak "
+                                    f"for this model and batch is {min_peak} bytes")
 
 
 class SimulatedOOM(RematlabError, MemoryError):
@@ -34,12 +33,3 @@ class SimulatedOOM(RematlabError, MemoryError):
 
 class StoreLockedError(RematlabError, OSError):
     """Another process is writing the same results database."""
-
-
-def format_bytes(n: float) -> str:
-    """Binary units with one decimal: 1.3 GiB, 509.0 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

@@ -21,7 +21,7 @@ costs a fraction of a second and a busy spell no more than the back-off. A confi
 still untrusted at the end of a sweep is measured once more after a longer wait for quiet
 (`settle_s`, see `rematlab.study.sweep`). It hands back the evidence — repeats run, drift,
 spread, load, trusted — that the dataset stores with every row. Analyses use trusted
-rows only and say how many they left out (`trusted_only`).
+rows only and say how many they left out (`rematlab.study.store.trusted_only`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import torch
 
 from rematlab.core.probes import Clock
+from rematlab.core.spread import relative_spread
 
 CALIBRATION_SIZE = 256  # square fp32 matrices: ~34 MFLOP per product, no allocation
 CALIBRATION_PRODUCTS = 16
@@ -122,12 +122,22 @@ class Sample:
         return self.calibration / reference - 1.0 if reference > 0 else 0.0
 
 
+def _steps(samples: list[Sample]) -> list[str]:
+    """The entries the guard judges: each timed candidate's whole step (`rematlab.core.timer`
+    names them `step` or `<candidate>/step`)."""
+    return [k for k in samples[0].times if k == "step" or k.endswith("/step")] if samples else []
+
+
 def spread(samples: list[Sample]) -> float:
-    """IQR over median of the samples' step times (0 for fewer than two)."""
-    if len(samples) < 2:
-        return 0.0
-    q1, median, q3 = np.percentile([s.times["step"] for s in samples], [25, 50, 75])
-    return float((q3 - q1) / median) if median > 0 else 0.0
+    """The widest IQR over median among the samples' step times (0 for fewer than two)."""
+    return max((relative_spread([s.times[k] for s in samples]) for k in _steps(samples)),
+               default=0.0)
+
+
+def _deviation(sample: Sample, kept: list[Sample]) -> float:
+    """How far `sample` lies from the set's medians, the worst of its step times."""
+    return max(abs(math.log(sample.times[k] / float(np.median([s.times[k] for s in kept]))))
+               for k in _steps(kept))
 
 
 @dataclass(frozen=True)
@@ -237,8 +247,7 @@ class Guard:
                 kept.append(sample)
             if spread(kept) <= self.noisy or redone >= budget:
                 break
-            median = float(np.median([s.times["step"] for s in kept]))
-            kept.remove(max(kept, key=lambda s: abs(math.log(s.times["step"] / median))))
+            kept.remove(max(kept, key=lambda s: _deviation(s, kept)))
             redone += 1
         reference = self._reference(key, math.inf)
         loads = [s.load for s in kept if s.load is not None]
@@ -260,20 +269,3 @@ class Guard:
 # the fastest calibration this process has timed, per (device, threads): a warm sweep worker
 # carries it from one configuration to the next
 _FASTEST: dict[tuple, float] = {}
-
-
-def trusted_only(summary: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """The configurations an analysis may use, and how many it left out: `ok` rows the
-    guard did not trust are dropped (rows from before the guard, with no evidence, stay)."""
-    if "trusted" not in summary.columns:
-        return summary, 0
-    trusted = summary["trusted"].astype("boolean").fillna(True).astype(bool)
-    untrusted = (summary["outcome"] == "ok") & ~trusted
-    return summary[~untrusted].reset_index(drop=True), int(untrusted.sum())
-
-
-def remeasured(summary: pd.DataFrame) -> int:
-    """How many timed repeats the guard measured again over the `ok` configurations of a
-    summary: attempts beyond the repeats kept."""
-    ok = summary[summary["outcome"] == "ok"]
-    return int((ok["attempts"] - ok["n"]).clip(lower=0).sum())

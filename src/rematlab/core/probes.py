@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -335,6 +335,28 @@ class StepMemory:
                 yield
             if self.cuda:
                 self._reserved[name] = torch.cuda.max_memory_reserved(self.device)
+
+
+PhaseMarker = Callable[[str], contextlib.AbstractContextManager]
+
+
+def peak_of(memory: MemoryProbe, persistent: Iterable[torch.Tensor],
+            step: Callable[[PhaseMarker], object]) -> MemoryProbe:
+    """The one way a step's peak is taken: what exists before the step (parameters, buffers,
+    optimizer state, the batch) is tracked, then the step runs inside the probe, marking its
+    phases with the marker it is given. Returns the probe, its `peak` read."""
+    memory.track(persistent)
+    with memory:
+        step(memory.phase)
+    return memory
+
+
+def one_phase(fn: Callable[[], object]) -> Callable[[PhaseMarker], object]:
+    """A step with no phases of its own, marked as one phase, `step`."""
+    def run(phase: PhaseMarker) -> None:
+        with phase("step"):
+            fn()
+    return run
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:

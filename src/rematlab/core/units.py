@@ -1,14 +1,13 @@
 """Reading and writing the numbers users give and read: byte sizes from text (`6GiB`,
-`512MiB`, a number of bytes) and numbers in tables (one formatter for the CLI, the statistics
-markdown and the report)."""
+`512MiB`, a number of bytes) and back (`1.3 GiB`), and numbers in tables (one formatter for
+the CLI, the statistics markdown and the report). A budget is parsed here once, at the edge
+(the CLI, `plan`, `max_batch`); everything past it holds bytes."""
 
 from __future__ import annotations
 
 import math
 
-import pandas as pd
-
-from rematlab.exceptions import ConfigError
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 
 
 def format_number(value: object, digits: int = 3) -> str:
@@ -51,25 +50,17 @@ def parse_bytes(value: str | int | float) -> int:
     return out
 
 
-def markdown_table(df: pd.DataFrame, index: bool = False) -> str:
-    """A frame as a Markdown table, numbers through `format_number` (with its index as the
-    first column when `index`)."""
-    if df.empty:
-        return "(none)"
-    if index:
-        df = df.reset_index()
-    cols = [str(c) for c in df.columns]
-    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.iterrows():
-        rows.append("| " + " | ".join(format_number(v) for v in r) + " |")
-    return "\n".join(rows)
+def format_bytes(n: float) -> str:
+    """Binary units with one decimal: 1.3 GiB, 509.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
-def percent_columns(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """Fractions shown as percentages ('58.5 %'), the unit readers take such columns in."""
-    out = df.copy()
-    for c in columns:
-        if c in out.columns:
-            out[c] = [f"{100 * v:.1f} %" if isinstance(v, (int, float)) and math.isfinite(v)
-                      else "" for v in out[c]]
-    return out
+def infeasible(budget: int, min_peak: int) -> InfeasibleBudgetError:
+    """The error of a budget below the smallest peak any plan reaches, sizes readable."""
+    return InfeasibleBudgetError(budget, min_peak, f"budget {format_bytes(budget)} is "
+                                 f"infeasible: the smallest peak for this model and batch "
+                                 f"is {format_bytes(min_peak)}")

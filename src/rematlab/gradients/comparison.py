@@ -1,249 +1,22 @@
-"""Backprop with checkpointing versus forward-mode AD and zeroth-order training.
-
-One training loop, interchangeable gradient estimators (`estimators`), all feeding the
-same optimizer, on the tasks of `rematlab.gradients.tasks`:
-
-- `bp`: backpropagation;
-- `bp+ckpt[:STRATEGY]`: backpropagation through `rematlab.apply(model, STRATEGY)` (sqrt);
-- `fmad:K`: forward gradient, g = mean over K random directions v of (grad f . v) v, computed
-  with `torch.func.jvp` — no activations are stored;
-- `zo:K`: two-point SPSA, g = mean over K directions z of (f(θ+εz) - f(θ-εz)) / 2ε · z, with
-  MeZO's seed trick: z is never stored, it is regenerated from a per-direction seed when needed.
+"""Backprop with checkpointing versus forward-mode AD and zeroth-order training: every
+method trained (`rematlab.gradients.training`) at its best learning rate over seeds, then
+summarised with intervals and compared with the paper's claims.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab.core.probes import StepMemory
-from rematlab.core.steps import bounded, make_optimizer
-from rematlab.exceptions import ConfigError
+from rematlab.core.checks import bounded
+from rematlab.core.spread import bootstrap
 from rematlab.gradients import peft
-from rematlab.gradients.estimators import LossFn, Method, estimate, trainable
-from rematlab.gradients.tasks import Task, build_model, digits, for_finetuning
-from rematlab.remat.strategies import apply as apply_strategy
-
-
-@dataclass
-class Run:
-    """One training run: curves at evaluation points and per-step costs."""
-
-    model: str
-    method: str
-    seed: int
-    lr: float
-    finetune: bool
-    steps: list[int] = field(default_factory=list)
-    accuracy: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    flops: list[float] = field(default_factory=list)
-    cosine: list[float] = field(default_factory=list)
-    flops_per_step: float = 0.0
-    peak_bytes: int = 0
-    param_bytes: int = 0
-    diverged: bool = False
-    state: dict | None = field(default=None, repr=False)  # final weights, when asked for
-
-    @property
-    def final_accuracy(self) -> float:
-        return self.accuracy[-1] if self.accuracy else 0.0
-
-    def to_reach(self, target: float) -> dict[str, float | None]:
-        for i, acc in enumerate(self.accuracy):
-            if acc >= target:
-                return {"steps": self.steps[i], "seconds": self.seconds[i],
-                        "flops": self.flops[i]}
-        return {"steps": None, "seconds": None, "flops": None}
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "state"}
-
-
-def _logits(out: object) -> torch.Tensor:
-    """A classifier's logits: the output itself, or a transformers output's `.logits`."""
-    return out.logits if hasattr(out, "logits") else out
-
-
-def _accuracy(model: nn.Module, task: Task) -> float:
-    with torch.no_grad():
-        return float((_logits(model(task.x_test)).argmax(1) == task.y_test).float().mean())
-
-
-def _cosine(model: nn.Module, grads: list[torch.Tensor], loss_fn: LossFn) -> float:
-    """Cosine similarity between the estimate in `.grad` and the true gradient."""
-    params = [p for _, p in trainable(model)]
-    est = torch.cat([g.flatten() for g in grads])
-    true = torch.autograd.grad(loss_fn(model), params)
-    true = torch.cat([t.flatten() for t in true])
-    return float(F.cosine_similarity(est, true, dim=0))
-
-
-Step = Callable[..., torch.Tensor]  # (model, optimizer, index) -> loss
-
-
-def _costs(method: Method, model: nn.Module, loss_fn: LossFn, step: Step, lr: float,
-           batch: list[torch.Tensor]) -> tuple[float, int]:
-    """FLOPs of one gradient estimate, and the measured peak of one whole training step
-    (estimate and optimizer step, with the optimizer's state, parameters, buffers and the
-    batch alive), by `probes.StepMemory` as rematlab measures every step — on a copy, after
-    a warm-up step that creates the optimizer's state, so training is untouched."""
-    counter = FlopCounterMode(display=False)
-    probe = copy.deepcopy(model)
-    with counter:
-        estimate(method, probe, loss_fn, seed=0)
-    opt = make_optimizer("momentum", [p for _, p in trainable(probe)], lr=lr)
-    step(probe, opt, 0)
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    memory = StepMemory(torch.device("cpu"))
-    memory.track([*probe.parameters(), *probe.buffers(), *state, *batch])
-    with memory, memory.phase("step"):
-        step(probe, opt, 1)
-    return float(counter.get_total_flops()), memory.peak
-
-
-def _setup(model_name: str, seed: int, finetune: bool,
-           progress: Callable[[str], None] | None) -> tuple[nn.Module, Task]:
-    """The network to train and its task: a pretrained transformer with LoRA adapters
-    (`rematlab.gradients.peft`), or a zoo model on digits, optionally pretrained and adapted."""
-    if model_name == peft.MODEL:
-        return peft.finetune_model(seed, progress)
-    net, task = build_model(model_name)
-    if finetune:
-        net = _pretrained(model_name, net, seed)
-        net = for_finetuning(net, task.classes)
-    return net, task
-
-
-def _prepared(m: Method, net: nn.Module, model_name: str, matched: peft.Matched | None,
-              example: torch.Tensor) -> nn.Module:
-    """`net` as `m` trains it: plain, under a rematlab strategy, under transformers' layer
-    checkpointing (`bp+ckpt:layers`), or under the matched-memory plan."""
-    if m.kind != "bp+ckpt":
-        return net
-    blocks = peft.BLOCKS if model_name == peft.MODEL else None
-    if m.strategy == "layers":
-        if not hasattr(net, "activation_checkpointing_enable"):
-            raise ConfigError("bp+ckpt:layers is transformers' layer checkpointing; "
-                              f"{model_name} is not a transformers model")
-        return peft.layer_checkpointing(net)
-    if m.strategy == "matched":
-        if matched is None:
-            raise ConfigError("bp+ckpt:matched needs the budget of the method it matches")
-        return apply_strategy(net, matched.plan, blocks=blocks,
-                              example_input=example[: len(example) // matched.accumulate])
-    return apply_strategy(net, m.strategy, blocks=blocks, example_input=example)
-
-
-def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0.05,
-          steps: int = 150, batch: int = 64, eval_every: int = 15, finetune: bool = False,
-          eps: float = 1e-3, keep_weights: bool = False, matched: peft.Matched | None = None,
-          progress: Callable[[str], None] | None = None) -> Run:
-    """Train one model with one gradient estimator; SGD with momentum 0.9 for every method.
-    `matched` (for `bp+ckpt:matched`): rematlab's plan and micro-batch count for a budget."""
-    m = Method.parse(method) if isinstance(method, str) else method
-    torch.manual_seed(seed)
-    net, task = _setup(model_name, seed, finetune, progress)
-    batch_x, batch_y = task.x_train[:batch], task.y_train[:batch]
-    model = _prepared(m, net, model_name, matched, batch_x)
-    parts = matched.accumulate if matched is not None and m.strategy == "matched" else 1
-    params = [p for _, p in trainable(model)]
-    opt = make_optimizer("momentum", params, lr=lr)
-    run = Run(model_name, str(m), seed, lr, finetune or model_name == peft.MODEL)
-    gen = torch.Generator().manual_seed(seed)
-
-    def loss_on(mod: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(_logits(mod(x)), y)
-
-    def loss_fn(mod: nn.Module) -> torch.Tensor:
-        return loss_on(mod, batch_x, batch_y)
-
-    def step(mod: nn.Module, optimizer: torch.optim.Optimizer, index: int,
-             observe: Callable[[], None] | None = None) -> torch.Tensor:
-        """One gradient estimate (accumulated over `parts` micro-batches), `observe`d
-        before the update, and the update."""
-        if parts == 1:
-            loss = estimate(m, mod, loss_fn, seed=seed * 100_003 + index * 131, eps=eps)
-        else:
-            for p in optimizer.param_groups[0]["params"]:
-                p.grad = None
-            total = torch.zeros(())
-            for xs, ys in zip(batch_x.chunk(parts), batch_y.chunk(parts), strict=True):
-                part = loss_on(mod, xs, ys) / parts
-                part.backward()
-                total += part.detach()
-            loss = total
-        if observe is not None:
-            observe()
-        optimizer.step()
-        return loss
-
-    run.flops_per_step, run.peak_bytes = _costs(m, model, loss_fn, step, lr,
-                                                [batch_x, batch_y])
-    run.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    elapsed, first_loss = 0.0, None
-    for index in range(steps + 1):
-        if index % eval_every == 0 or index == steps:
-            run.steps.append(index)
-            run.accuracy.append(_accuracy(model, task))
-            run.seconds.append(elapsed)
-            run.flops.append(index * run.flops_per_step)
-        if index == steps:
-            break
-        idx = torch.randint(0, len(task.x_train), (batch,), generator=gen)
-        batch_x, batch_y = task.x_train[idx], task.y_train[idx]
-        untimed = 0.0
-
-        def observe() -> None:  # the estimate against the true gradient, untimed
-            nonlocal untimed
-            t = time.perf_counter()
-            run.cosine.append(_cosine(model, [p.grad for p in params], loss_fn))
-            untimed += time.perf_counter() - t
-
-        t0 = time.perf_counter()
-        loss = step(model, opt, index, observe if index % eval_every == 0 else None)
-        elapsed += time.perf_counter() - t0 - untimed
-        value = float(loss)
-        first_loss = first_loss if first_loss is not None else value
-        if not math.isfinite(value) or value > 10 * max(first_loss, 1.0):
-            run.diverged = True
-            break
-    if keep_weights:
-        run.state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    return run
-
-
-_PRETRAINED: dict[tuple[str, int], dict] = {}
-
-
-def _pretrained(model_name: str, net: nn.Sequential, seed: int, steps: int = 200
-                ) -> nn.Sequential:
-    """The backbone for fine-tuning: trained by BP on digits 0-4 only (cached)."""
-    key = (model_name, seed)
-    if key not in _PRETRAINED:
-        task = digits(image=model_name == "lenet5", classes=(0, 1, 2, 3, 4))
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            idx = torch.randint(0, len(task.x_train), (64,), generator=gen)
-            opt.zero_grad()
-            F.cross_entropy(net(task.x_train[idx]), task.y_train[idx]).backward()
-            opt.step()
-        _PRETRAINED[key] = copy.deepcopy(net.state_dict())
-    net.load_state_dict(_PRETRAINED[key])
-    return net
-
-
-# --- the comparison -------------------------------------------------------------------------
+from rematlab.gradients.estimators import Method
+from rematlab.gradients.tasks import build_model
+from rematlab.gradients.training import Run, train
 
 
 @dataclass
@@ -364,18 +137,13 @@ def _interval(values: list[float], bounds: tuple[float, float] = (-1.0, 1.0)
     return max(bounds[0], float(lo)), min(bounds[1], float(hi))
 
 
-def _bootstrap(a: list[float], b: list[float], statistic: Callable[[float, float], float],
-               draws: int = 2000) -> tuple[float, float] | None:
+def _bootstrap(a: list[float], b: list[float], statistic: Callable[[float, float], float]
+               ) -> tuple[float, float] | None:
     """95 % percentile bootstrap of `statistic(mean(a), mean(b))`, seeds resampled within
-    each method."""
-    if len(a) < 2 or len(b) < 2:
+    each method; None with fewer than two runs on either side or no spread to resample."""
+    if len(a) < 2 or len(b) < 2 or (len(set(a)) == 1 and len(set(b)) == 1):
         return None
-    rng = np.random.default_rng(0)
-    xa, xb = np.asarray(a, float), np.asarray(b, float)
-    values = [statistic(float(rng.choice(xa, len(xa)).mean()),
-                        float(rng.choice(xb, len(xb)).mean())) for _ in range(draws)]
-    lo, hi = np.percentile(values, [2.5, 97.5])
-    return float(lo), float(hi)
+    return bootstrap((a, b), lambda x, y: statistic(float(np.mean(x)), float(np.mean(y))))
 
 
 def summarize(runs: list[Run]) -> list[dict]:

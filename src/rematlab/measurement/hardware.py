@@ -11,8 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.guard import CALIBRATION_FLOPS, Calibration
 from rematlab.core.probes import WallClock
+from rematlab.core.timer import MIN_REPEAT_SECONDS
 from rematlab.measurement import zoo
-from rematlab.measurement.measure import MIN_REPEAT_SECONDS, Spec
+from rematlab.measurement.spec import Spec
 
 DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
                 "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),

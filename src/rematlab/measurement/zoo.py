@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from rematlab.core.steps import load_object, user_code
+from rematlab.core.checks import load_object, user_code
 from rematlab.exceptions import ConfigError
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from rematlab.core.units import parse_bytes
-from rematlab.exceptions import ConfigError, format_bytes
+from rematlab.core.units import format_bytes, parse_bytes
+from rematlab.exceptions import ConfigError
 
 MARGIN_FRACTION = 0.05
 MARGIN_MIN = 256 * 2**20

@@ -28,7 +28,6 @@ Searching by measurement alone would profile the model at a dozen large batches.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
@@ -37,22 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.core.probes import clock_for
-from rematlab.core.steps import (
-    Batch,
-    LossFn,
-    bounded,
-    call,
-    check_batch,
-    default_loss,
-    is_oom,
-    make_optimizer,
-    preserved,
-    tensors,
-    to_device,
-)
+from rematlab.core.batch import Batch, check_batch, resized, tensors, to_device
+from rematlab.core.checks import bounded
+from rematlab.core.guard import Evidence
+from rematlab.core.probes import Clock
+from rematlab.core.steps import LossFn, is_oom, make_optimizer, preserved, train_step
+from rematlab.core.timer import Timer, Timing
 from rematlab.exceptions import ConfigError
-from rematlab.measurement.measure import MAX_REPEATS, steps_per_repeat
+from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.budget import DeviceBudget, checked, resolve
 from rematlab.planning.planner import Planning, prepare, resident, step_peak
 from rematlab.plans.plan import ChainCosts, Plan, none_plan, simulate
@@ -99,6 +90,7 @@ class BatchSearch:
     fits: list[BatchFit]
     search_s: float
     timing_s: float
+    evidence: Evidence | None = None  # the guard's, over the side-by-side timing
 
     def fit(self, case: str) -> BatchFit:
         return next(f for f in self.fits if f.case == case)
@@ -130,26 +122,10 @@ class BatchSearch:
                 "search_s": self.search_s, "timing_s": self.timing_s,
                 "fits": [asdict(f) for f in self.fits],
                 "timing": "full training steps (forward, loss, backward, optimizer) after "
-                          "warm-up; median and IQR of repeats, device synchronised"}
-
-
-def resized(batch: Batch, size: int) -> Batch:
-    """`batch` with `size` samples: every tensor whose first dimension is the batch's is
-    indexed cyclically along it (token ids, masks and labels stay consistent)."""
-    n = next(tensors(batch)).shape[0]
-
-    def one(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.dim() and value.shape[0] == n:
-                return value[torch.arange(size, device=value.device) % n]
-            return value
-        if isinstance(value, dict):
-            return {k: one(v) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(one(v) for v in value)
-        return value
-
-    return one(batch)
+                          "warm-up, side by side in interleaved rounds under the "
+                          "interference guard; median and IQR of repeats, device "
+                          "synchronised",
+                **(self.evidence.columns() if self.evidence else {})}
 
 
 def scaled(low: ChainCosts, b_low: int, high: ChainCosts, b_high: int, batch: int
@@ -242,6 +218,7 @@ class _Searcher:
         self.layers = self.plannings[start].structure.kind == "layers"
         self.seen: dict[tuple[str, int], int | None] = {}
         self.chosen: dict[int, Plan] = {}
+        self.evidence: Evidence | None = None
 
     def _kw(self) -> dict:
         return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn}
@@ -376,63 +353,45 @@ class _Searcher:
             run = self.model if chosen is None else apply(
                 self.model, chosen, blocks=self.blocks, example_input=self.make(fit.batch))
             runs[fit.case] = (run, lambda b=fit.batch: self.make(b))
-        seconds = side_by_side(self.model, runs, self.optimizer, self.loss_fn, warmup,
-                               repeats)
+        timing = side_by_side(self.model, runs, self.optimizer, self.loss_fn, warmup, repeats)
+        self.evidence = timing.evidence
         timed = []
         for fit in found:
-            if fit.case in seconds:
-                median = statistics.median(seconds[fit.case])
-                q = (statistics.quantiles(seconds[fit.case], n=4) if repeats > 1
-                     else [median] * 3)
-                fit = replace(fit, step_s=median, step_iqr=q[2] - q[0], repeats=repeats,
-                              throughput=fit.batch / median)
+            if fit.case in runs:
+                median = timing.median(fit.case)
+                fit = replace(fit, step_s=median, step_iqr=timing.iqr(fit.case) if repeats > 1
+                              else 0.0, repeats=repeats, throughput=fit.batch / median)
             timed.append(fit)
         return timed
 
 
 def side_by_side(model: nn.Module, runs: dict[str, tuple[nn.Module, Callable[[], Batch]]],
                  optimizer: str | None, loss_fn: LossFn | None, warmup: int, repeats: int
-                 ) -> dict[str, list[float]]:
-    """Seconds per training step (forward, loss, backward, optimizer step) of each run on
-    its batch, interleaved: every round times each candidate once (fast steps averaged in
-    groups), so a busy machine slows them alike and their ratio stays fair. Batches are made
-    per round, never two alive at once. `model`'s weights, gradients, buffers and the RNG
-    are restored afterwards."""
+                 ) -> Timing:
+    """Training steps (forward, loss, backward, optimizer step) of each run on its batch,
+    timed side by side by the one timer (`rematlab.core.timer`): interleaved rounds under
+    the guard. A batch is made before each timed step, outside the clock, and never two
+    are alive at once. `model`'s weights, gradients, buffers and the RNG are restored
+    afterwards."""
     snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    clock = clock_for(device)
     opt = make_optimizer(optimizer, model.parameters()) if optimizer else None
 
-    def steps(run: nn.Module, batch: Batch, count: int) -> None:
-        for _ in range(count):
-            model.zero_grad(set_to_none=True)
-            out = call(run, batch)
-            (loss_fn or default_loss)(out, batch).backward()
-            if opt is not None:
-                opt.step()
-            del out
+    def work(run: nn.Module, make: Callable[[], Batch]) -> Callable[[Clock], dict[str, float]]:
+        def one(clock: Clock) -> dict[str, float]:
+            batch = make()
+            times = train_step(model, batch, run=run, loss_fn=loss_fn, optimizer=opt,
+                               clock=clock)
+            del batch
+            return times
+        return one
 
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    group: dict[str, int] = {}
     try:
         with preserved(model):
-            for name, (run, make) in runs.items():
-                batch = make()
-                steps(run, batch, max(1, warmup))
-                clock.start()
-                steps(run, batch, 1)
-                group[name] = steps_per_repeat(clock.stop())
-                del batch
-            for _ in range(repeats):
-                for name, (run, make) in runs.items():
-                    batch = make()
-                    clock.start()
-                    steps(run, batch, group[name])
-                    seconds[name].append(clock.stop() / group[name])
-                    del batch
+            return Timer(device).run({name: work(run, make) for name, (run, make)
+                                      in runs.items()}, repeats, warmup=max(1, warmup))
     finally:
         model.load_state_dict(snapshot)
-    return seconds
 
 
 def batches_from(example: Batch | Callable[[int], Batch], device: torch.device | None
@@ -500,4 +459,5 @@ def max_batch(
     t1 = time.perf_counter()
     if repeats:
         found = searcher.timed(found, warmup, repeats)
-    return BatchSearch(searcher.budget, found, t1 - t0, time.perf_counter() - t1)
+    return BatchSearch(searcher.budget, found, t1 - t0, time.perf_counter() - t1,
+                       searcher.evidence)

@@ -23,19 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.core.probes import StepMemory
-from rematlab.core.steps import (
-    LossFn,
-    call,
-    check_batch,
-    detached,
-    preserved,
-    runs_on,
-    step,
-    tensors,
-    to_device,
-)
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError, format_bytes
+from rematlab.core.batch import call, check_batch, detached, tensors, to_device
+from rematlab.core.probes import StepMemory, one_phase, peak_of
+from rematlab.core.steps import LossFn, preserved, runs_on, step
+from rematlab.core.units import format_bytes, infeasible
+from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve
 from rematlab.plans.plan import (
     ChainCosts,
@@ -51,7 +43,8 @@ from rematlab.plans.plan import (
 )
 from rematlab.plans.solver import Solution, solve
 from rematlab.remat.chain import compiled, compiling, profile_chain
-from rematlab.remat.layers import LayerRemat, attach, profile_layers, single_layer
+from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.layers import LayerRemat, attach, single_layer
 from rematlab.remat.strategies import RematChain, apply
 from rematlab.remat.structure import Structure, structure
 
@@ -124,7 +117,7 @@ class Planning:
             tried += 0 if known else 1
             if tried >= _MAX_CORRECTIONS:
                 skip_above = (candidate.predicted_peak or 0) - (measured - limit)
-        raise InfeasibleBudgetError(limit, max(self.floor, self._measured[pool[0].describe()]))
+        raise infeasible(limit, max(self.floor, self._measured[pool[0].describe()]))
 
     @property
     def unconstrained(self) -> Plan:
@@ -283,10 +276,9 @@ def step_peak(owner: nn.Module, run: Callable, batch: object, state_bytes: int,
     device = next(tensors(batch)).device
     state = torch.empty(state_bytes, dtype=torch.uint8, device=device)
     with preserved(owner):
-        memory = StepMemory(device, tensors_seen=tensors_seen)
-        memory.track([*owner.parameters(), *owner.buffers(), *tensors(batch), state])
-        with memory, memory.phase("step"):
-            step(run, batch, loss_fn)
+        memory = peak_of(StepMemory(device, tensors_seen=tensors_seen),
+                         [*owner.parameters(), *owner.buffers(), *tensors(batch), state],
+                         one_phase(lambda: step(run, batch, loss_fn)))
     del state
     return max(memory.peak, optimizer_peak)
 

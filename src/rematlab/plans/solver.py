@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rematlab.exceptions import ConfigError, InfeasibleBudgetError
+from rematlab.core.units import infeasible
+from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import (
     ChainCosts,
     Item,
@@ -82,7 +83,7 @@ class Solution:
         construction: a larger budget only adds plans to choose from."""
         fits = [p for p in self.frontier if (p.predicted_peak or 0) <= budget]
         if not fits:
-            raise InfeasibleBudgetError(budget, self.min_peak)
+            raise infeasible(budget, self.min_peak)
         return replace(fits[-1], name=name, budget=budget)
 
     def _build(self, h: int, s: int, t: int, level: int) -> tuple[Item, ...]:

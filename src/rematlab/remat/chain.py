@@ -15,7 +15,6 @@ measurement, which is how the planner works before it has touched the hardware.
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,13 +22,14 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.probes import (
+    Clock,
     LiveTensorTracker,
     allocator_trace,
-    clock_for,
     rounded,
     storage_key,
 )
 from rematlab.core.steps import make_optimizer, preserved
+from rematlab.core.timer import PROFILE_REPEAT_SECONDS, Timer, profile_guard
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.remat.tracing import meta_copy
@@ -211,18 +211,21 @@ def compiled(fn: Callable) -> Callable:
 
 def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
                 repeats: int) -> tuple[float, float]:
-    clock = clock_for(x_in.device)
-    fwd, bwd = [], []
-    for _ in range(repeats + 1):  # the first round warms up
+    """Median forward and backward seconds of `block` on `x_in`, by the one timer
+    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
+    def work(clock: Clock) -> dict[str, float]:
         clock.start()
         out = block(x_in)
-        fwd.append(clock.stop())
-        grad = torch.ones_like(out)
+        forward = clock.stop()
         clock.start()
         if out.requires_grad:
-            out.backward(grad)
-        bwd.append(clock.stop())
-    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+            out.backward(torch.ones_like(out))
+        backward = clock.stop()
+        return {"forward": forward, "backward": backward, "step": forward + backward}
+
+    timer = Timer(x_in.device, guard=profile_guard(), min_repeat_s=PROFILE_REPEAT_SECONDS)
+    timing = timer.run(work, repeats, warmup=1)
+    return timing.median(phase="forward"), timing.median(phase="backward")
 
 
 def optimizer_memory(params: list[torch.Tensor], name: str | None, unit: int = 1

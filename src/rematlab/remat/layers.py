@@ -32,9 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import statistics
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -44,21 +42,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.core.probes import LiveTensorTracker, clock_for
-from rematlab.core.steps import (
-    Batch,
-    LossFn,
-    batch_bytes,
-    call,
-    default_loss,
-    detached,
-    preserved,
-    tensors,
-    to_device,
-)
+from rematlab.core.batch import Batch, call, detached, first_float, tensors, to_device
+from rematlab.core.steps import preserved
 from rematlab.exceptions import ConfigError
-from rematlab.plans.plan import ChainCosts, Plan, none_plan
-from rematlab.remat.chain import block_input, optimizer_memory, profile_block
+from rematlab.plans.plan import Plan
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
@@ -69,67 +56,6 @@ _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=N
 _TRACED: LayerRemat | None = None
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 _HOST = torch.device("cpu")
-
-
-# --- finding the layers ----------------------------------------------------------------------
-
-
-def find_layers(model: nn.Module, names: str | list[str] | None = None
-                ) -> list[tuple[str, nn.Module]]:
-    """The layers to checkpoint, as (qualified name, module) in model order.
-
-    `names`: submodule names; a `ModuleList`/`Sequential` stands for its children (`"transformer.h"`
-    -> every GPT-2 block). Without names: the most common way the ecosystem finds them — the
-    class of module repeated (twice or more) inside a `ModuleList`/`Sequential` that holds the
-    most parameters, and every module of that class not nested in another one.
-    """
-    modules = dict(model.named_modules())
-    if names:
-        found: list[tuple[str, nn.Module]] = []
-        listed = [n.strip() for n in names.split(",")] if isinstance(names, str) else names
-        for name in [n for n in listed if n]:
-            if name not in modules:
-                stacks = ", ".join(_stack_names(model)[:5]) or "none found"
-                raise ConfigError(f"{type(model).__name__} has no submodule {name!r}; layer "
-                                  f"stacks in it: {stacks}")
-            m = modules[name]
-            if isinstance(m, (nn.ModuleList, nn.Sequential)):
-                found.extend((f"{name}.{k}", c) for k, c in m.named_children())
-            else:
-                found.append((name, m))
-        if len(found) < 1:
-            raise ConfigError(f"no layers under {names!r}")
-        for i, (a, _) in enumerate(found):
-            for b, _ in found[i + 1:]:
-                if a == b or b.startswith(f"{a}.") or a.startswith(f"{b}."):
-                    raise ConfigError(f"the layers named overlap: {a!r} and {b!r}; name each "
-                                      "layer (or its stack) once")
-        return found
-    classes = {type(c) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-               for c in m.children() if not isinstance(c, (nn.ModuleList, nn.Sequential))
-               and sum(type(o) is type(c) for o in m.children()) >= 2}
-    if not classes:
-        raise ConfigError(f"cannot find repeated layers in {type(model).__name__}: name them "
-                          "with blocks=['path.to.layers'] (CLI: --blocks path.to.layers)")
-
-    def size(cls: type) -> tuple[int, int]:
-        layers = _outermost(model, cls)
-        return sum(p.numel() for _, m in layers for p in m.parameters()), len(layers)
-
-    return _outermost(model, max(classes, key=lambda c: (size(c), c.__name__)))
-
-
-def _outermost(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
-    out: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if type(m) is cls and not any(name.startswith(f"{o}.") for o, _ in out):
-            out.append((name, m))
-    return out
-
-
-def _stack_names(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules()
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1 and n]
 
 
 # --- the layers' real arguments ----------------------------------------------------------------
@@ -211,20 +137,12 @@ def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _hidden_position(args: tuple, kwargs: dict, i: int) -> int | str:
-    for pos, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return pos
-    for key, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return key
+    """Where a layer receives its hidden state: the first argument that is itself a floating
+    tensor, by position or by keyword."""
+    for where, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, torch.Tensor) and first_float(value) is value:
+            return where
     raise ConfigError(f"layer {i} receives no floating tensor to checkpoint")
-
-
-def _output_tensor(out: Any) -> torch.Tensor:
-    for t in tensors(out):
-        if t.is_floating_point():
-            return t
-    raise ConfigError(f"a layer returned no floating tensor ({type(out).__name__})")
 
 
 def single_layer(start: int, end: int, n_blocks: int) -> bool:
@@ -273,7 +191,7 @@ class LayerRemat:
         """`layer`'s own forward on `args`, checkpointed."""
         args, kwargs = _without_cache(args, kwargs)
         forward = functools.partial(type(layer).forward, layer)
-        hidden = next((t for t in tensors((args, kwargs)) if t.is_floating_point()), None)
+        hidden = first_float((args, kwargs))
         for hook in self.hooks:
             if hidden is not None:
                 hook(hidden)  # the layer's input stays alive for backward
@@ -358,179 +276,3 @@ def remat_of(model: nn.Module) -> Any:
     if runner is None:
         raise ConfigError(f"{type(model).__name__} was not returned by rematlab.apply")
     return runner
-
-
-# --- costs -------------------------------------------------------------------------------------
-
-
-def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
-                   loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
-                   repeats: int = 1, compile: bool = False) -> ChainCosts:
-    """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring),
-    measured on the batch's device; with `compile`, each layer's costs are those of the layer
-    compiled (what the model around it does is measured eager, and the plan's compiled step
-    is verified whole)."""
-    calls = capture(model, batch, layers)
-    rows = []
-    device = next(tensors(batch)).device
-    for layer, host_call in zip(layers, calls, strict=True):
-        lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
-                       host_call.where)
-        x_in = block_input(lc.hidden(), needs_grad=True)
-
-        def run(x: torch.Tensor, layer: nn.Module = layer, lc: LayerCall = lc) -> torch.Tensor:
-            args, kwargs = lc.with_hidden(x)
-            return _output_tensor(layer(*args, **kwargs))
-
-        with preserved(layer):
-            rows.append(profile_block(layer, x_in, repeats, run=run, others=lc.others(),
-                                      compile=compile))
-    outer = outer_costs(model, batch, layers, loss_fn, repeats)
-    x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
-    state, transient = optimizer_memory(list(model.parameters()), optimizer)
-    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    inputs = batch_bytes(batch)
-    # the step's time outside the layers: what no plan changes, so predicted times are steps
-    outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
-
-    # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
-    # outputs): the live bytes each layer added in the real step, less what its profile
-    # explains. A checkpointed layer holds none of it (caches are not passed to it).
-    live = outer["layer_live"]
-    for i, r in enumerate(rows):
-        nxt = x[i + 2]
-        explained = r["saved"] + nxt - (0 if r["keeps_input"] or i == 0 else r["x"])
-        r["saved"] += max(0, live[i + 1] - live[i] - explained)
-
-    def column(key: str, first: Any, last: Any) -> list:
-        return [first, *(r[key] for r in rows), last]
-
-    return ChainCosts(
-        x=x,
-        saved=column("saved", outer["before_saved"], outer["after_saved"]),
-        keeps_input=column("keeps_input", False, outer["after_keeps_input"]),
-        keeps_output=column("keeps_output", False, False),
-        fwd_mem=column("fwd_mem", outer["before_fwd"], outer["after_fwd"]),
-        bwd_mem=column("bwd_mem", outer["before_bwd"], outer["after_bwd"]),
-        grad=column("grad", outer["before_grad"], outer["after_grad"]),
-        fwd_time=column("fwd_time", 0.0, 0.0),
-        bwd_time=column("bwd_time", outside, 0.0),
-        fwd_flops=column("fwd_flops", 0.0, 0.0),
-        base=params + state + inputs + outer["output"],
-        state=state,
-        optimizer_peak=params + grads + state + transient + inputs,
-    )
-
-
-def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                loss_fn: LossFn | None, repeats: int) -> dict:
-    """Costs of what runs before the first layer and after the last, from one tracked
-    training step with every layer kept: live bytes and peaks between five events — first
-    layer entered, last layer left, loss computed, gradient of the last layer's output
-    ready, gradient of the first layer's input ready (none when it needs no gradient, as
-    under frozen embeddings: nothing before the layers runs backward) — and the step's
-    end."""
-    tracker = LiveTensorTracker()
-    events: dict[str, tuple[int, int]] = {}
-    seen: dict[str, Any] = {}
-
-    def mark(name: str) -> None:
-        events.setdefault(name, (tracker.live, tracker.peak))
-        tracker.reset_peak()
-
-    def on_grad(name: str) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if name == "last_grad":
-                seen["after_grad"] = [id(p) for p in model.parameters() if p.grad is not None]
-            mark(name)
-        return hook
-
-    layer_live: list[int] = []  # live bytes as each layer starts, and after the last
-
-    def entering(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        layer_live.append(tracker.live)
-        if len(layer_live) > 1:
-            return
-        x = _output_tensor((args, kwargs))
-        seen["x_first"] = x.untyped_storage().nbytes()
-        mark("first_in")
-        if x.requires_grad:
-            x.register_hook(on_grad("first_grad"))
-        else:  # frozen embeddings (fine-tuning adapters): backward stops in the layers
-            seen["frozen_input"] = True
-
-    def last_out(_m: nn.Module, _args: tuple, out: Any) -> None:
-        layer_live.append(tracker.live)
-        y = _output_tensor(out)
-        seen["y_last"] = y.untyped_storage().nbytes()
-        seen["y_ref"] = weakref.ref(y.untyped_storage())
-        mark("last_out")
-        if y.requires_grad:
-            y.register_hook(on_grad("last_grad"))
-
-    handles = [m.register_forward_pre_hook(entering, with_kwargs=True) for m in layers]
-    handles.append(layers[-1].register_forward_hook(last_out))
-    params = list(model.parameters())
-    plain = attach(model, LayerRemat(layers, none_plan(len(layers) + 2)))  # as planned runs
-    try:
-        with preserved(model):
-            tracker.track([*params, *model.buffers(), *tensors(batch)])
-            mark("start")
-            with tracker:
-                out = call(plain, batch)
-                loss = (loss_fn or default_loss)(out, batch)
-                mark("forward_end")
-                alive = seen["y_ref"]() is not None
-                output = batch_bytes(out)  # the user's loop keeps the output until the end
-                loss.backward()
-                mark("end")
-            del out, loss
-            step_time = _step_time(plain, batch, loss_fn, repeats)
-    finally:
-        for h in handles:
-            h.remove()
-    frozen = seen.get("frozen_input", False)
-    need = {"first_in", "last_out", "forward_end", "last_grad", "end"} | (
-        set() if frozen else {"first_grad"})
-    if not need <= events.keys():
-        raise ConfigError("the model's layers did not take part in backward as a chain "
-                          f"(missing events: {sorted(need - events.keys())})")
-    start, first_in_ = events["start"][0], events["first_in"]
-    last_out_, fwd_end = events["last_out"], events["forward_end"]
-    last_grad, end = events["last_grad"], events["end"]
-    layer_params = {id(p) for m in layers for p in m.parameters()}
-    outside = [p for p in params if id(p) not in layer_params and p.requires_grad]
-    nbytes = {id(p): p.numel() * p.element_size() for p in outside}
-    after_grad = sum(nbytes.get(i, 0) for i in seen.get("after_grad", []))
-    y = seen["y_last"]
-    return {
-        "layer_live": layer_live,
-        "output": output,
-        "before_saved": first_in_[0] - start - seen["x_first"],
-        "before_fwd": first_in_[1] - start,
-        "before_bwd": 0 if frozen else end[1] - events["first_grad"][0],
-        "before_grad": sum(nbytes.values()) - after_grad,
-        "after_saved": fwd_end[0] - last_out_[0] + (0 if alive else y) - output,
-        "after_keeps_input": alive,
-        "after_fwd": fwd_end[1] - last_out_[0],
-        "after_bwd": last_grad[1] - fwd_end[0],
-        "after_grad": after_grad,
-        "step_time": step_time,
-    }
-
-
-def _step_time(model: nn.Module, batch: Batch, loss_fn: LossFn | None, repeats: int) -> float:
-    """Median seconds of a forward+backward step with every layer kept (after one warm-up)."""
-    if repeats < 1:
-        return 0.0
-    clock = clock_for(next(tensors(batch)).device)
-    times = []
-    for _ in range(repeats + 1):
-        clock.start()
-        out = call(model, batch)
-        (loss_fn or default_loss)(out, batch).backward()
-        times.append(clock.stop())
-        del out
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])

@@ -30,7 +30,8 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans import plan as plans
 from rematlab.plans.plan import ChainCosts, Item, Plan, Segment
 from rematlab.remat.chain import profile_chain
-from rematlab.remat.layers import LayerRemat, attach, profile_layers
+from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 from rematlab.remat.structure import Structure, structure
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rematlab.exceptions import ConfigError
-from rematlab.remat.layers import find_layers
+from rematlab.remat.find import find_layers
 from rematlab.remat.tracing import find_chain
 
 

@@ -23,13 +23,13 @@ from pydantic import (
     field_validator,
 )
 
+from rematlab.core.batch import FLOAT_DTYPES
 from rematlab.core.guard import MAX_WAIT_S
 from rematlab.core.steps import OPTIMIZERS
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
-from rematlab.measurement.measure import (
-    DTYPES,
+from rematlab.measurement.spec import (
     INT32_MAX,
     INT64_MAX,
     MAX_REPEATS,
@@ -39,7 +39,7 @@ from rematlab.measurement.measure import (
 )
 from rematlab.remat import strategies
 
-BUILTIN = Path(__file__).parent / "grids"
+BUILTIN = Path(__file__).parents[1] / "grids"  # shipped with the package (package-data)
 
 
 MAX_CONFIGS = 20_000  # a grid larger than this needs `max_configs` raised in the file
@@ -135,7 +135,7 @@ class Grid(BaseModel):
     @field_validator("dtypes")
     @classmethod
     def _dtypes(cls, v: list[str]) -> list[str]:
-        return _one_of(v, sorted(DTYPES), "dtype")
+        return _one_of(v, sorted(FLOAT_DTYPES), "dtype")
 
     @field_validator("devices")
     @classmethod

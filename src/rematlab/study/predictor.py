@@ -38,14 +38,15 @@ from sklearn.preprocessing import OneHotEncoder, StandardScaler
 from sklearn.utils.validation import check_is_fitted
 from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core.batch import DTYPES
 from rematlab.core.files import write_atomic
-from rematlab.core.guard import trusted_only
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
 from rematlab.measurement.hardware import device_peaks
-from rematlab.measurement.measure import DTYPES, Spec
+from rematlab.measurement.spec import Spec
 from rematlab.remat import strategies
 from rematlab.study.modelfile import check_archive, check_state, translated
+from rematlab.study.store import trusted_only
 
 CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
 CONFIG_CATEGORICAL = ["model", "strategy_kind", "dtype", "device", "optimizer"]

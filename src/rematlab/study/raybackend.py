@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from rematlab.core.guard import MAX_WAIT_S
 from rematlab.exceptions import ConfigError
-from rematlab.measurement.measure import Spec, failed_row, run_config
+from rematlab.measurement.measure import failed_row, run_config
+from rematlab.measurement.spec import Spec
 
 
 def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],

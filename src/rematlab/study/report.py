@@ -23,7 +23,8 @@ import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from rematlab.core.files import write_bytes, write_text
-from rematlab.core.units import format_number, percent_columns
+from rematlab.core.units import format_number
+from rematlab.study.tables import percent_columns
 
 STUDY_R2 = {"time": 0.8594, "memory": 0.8330}  # the original study, random 80/20 split
 

@@ -19,9 +19,8 @@ import pandas as pd
 import torch
 
 from rematlab.core.files import jsonable, write_text
-from rematlab.core.guard import trusted_only
 from rematlab.study.grid import Grid, load_grid
-from rematlab.study.store import Store, load
+from rematlab.study.store import Store, load, trusted_only
 
 Say = Callable[[str], None]
 
@@ -246,7 +245,8 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     the floor and the unconstrained peak, verified, then measured as a training step; beside
     each, the best uniform count that fits the same budget (simulated)."""
     from rematlab.measurement import zoo
-    from rematlab.measurement.measure import Spec, measure
+    from rematlab.measurement.measure import measure
+    from rematlab.measurement.spec import Spec
     from rematlab.planning.planner import prepare
     from rematlab.plans.plan import none_plan, overhead, simulate
 

@@ -32,9 +32,9 @@ import pandas as pd
 from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
-from rematlab.core.guard import trusted_only
-from rematlab.core.units import markdown_table
 from rematlab.exceptions import ConfigError
+from rematlab.study.store import trusted_only
+from rematlab.study.tables import markdown_table
 
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}

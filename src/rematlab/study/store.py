@@ -316,3 +316,20 @@ def load(db: str | Path, table: str = "runs") -> pd.DataFrame:
     row per configuration)."""
     with Store(db, read_only=True) as store:
         return store.frame(table)
+
+
+def trusted_only(summary: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """The configurations an analysis may use, and how many it left out: `ok` rows the
+    guard did not trust are dropped (rows from before the guard, with no evidence, stay)."""
+    if "trusted" not in summary.columns:
+        return summary, 0
+    trusted = summary["trusted"].astype("boolean").fillna(True).astype(bool)
+    untrusted = (summary["outcome"] == "ok") & ~trusted
+    return summary[~untrusted].reset_index(drop=True), int(untrusted.sum())
+
+
+def remeasured(summary: pd.DataFrame) -> int:
+    """How many timed repeats the guard measured again over the `ok` configurations of a
+    summary: attempts beyond the repeats kept."""
+    ok = summary[summary["outcome"] == "ok"]
+    return int((ok["attempts"] - ok["n"]).clip(lower=0).sum())

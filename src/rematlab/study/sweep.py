@@ -45,7 +45,8 @@ import torch
 
 from rematlab.core.guard import MAX_WAIT_S
 from rematlab.exceptions import ConfigError
-from rematlab.measurement.measure import Spec, available, failed_row, parse_device, run_config
+from rematlab.measurement.measure import failed_row, run_config
+from rematlab.measurement.spec import Spec, available, parse_device
 from rematlab.study.grid import Grid
 from rematlab.study.store import Store, config_id, harness_overhead
 

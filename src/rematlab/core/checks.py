@@ -1,0 +1,55 @@
+"""Bad input, said once: counts within bounds, and the user's own code (imports, factories)
+whose failures are the user's, reported in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from rematlab.exceptions import ConfigError
+
+MAX_BATCH_SIZE = 2**31 - 1  # samples: torch indexes a batch dimension in 32 bits on GPUs
+MAX_VOCAB = 2**63 - 1  # token ids are int64
+
+
+def bounded(name: str, value: int, high: int, low: int = 1) -> int:
+    """`value` of the count `name` if `low <= value <= high`; else bad input, said once."""
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def user_code(failed: str) -> Iterator[None]:
+    """Runs the user's code (an import, a factory). Any failure of it is bad input reported
+    as `failed: <error>`, including `sys.exit` and other `BaseException`s: a factory that
+    exits must not end rematlab silently with its status. Ctrl-C stays Ctrl-C."""
+    try:
+        yield
+    except (KeyboardInterrupt, ConfigError):
+        raise
+    except BaseException as exc:
+        detail = (f"exit({exc.code})" if isinstance(exc, SystemExit)
+                  else str(exc).splitlines()[0] if str(exc) else "")
+        raise ConfigError(f"{failed}: {type(exc).__name__}: {detail}") from None
+
+
+def load_object(path: str, what: str) -> Any:
+    """`module.path:name` -> the object, importing from the current directory too (as
+    `python -m` does); any failure to import is a `ConfigError` naming `what` it was for."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {path!r} must look like module.path:name")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    with user_code(f"cannot load {what} {path!r}"):
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{what} {path!r} is not callable")
+    return obj

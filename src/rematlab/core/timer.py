@@ -1,0 +1,116 @@
+"""One timer for every step time rematlab reports: sweeps, the planner's profiles, the largest
+batch, gradient runs and the benchmarks all time through `Timer.run`, so that a busy machine
+is detected (and said) everywhere, not only in sweeps.
+
+A run times one piece of work, or several side by side. Work is a function of the clock that
+returns the seconds of its phases, `step` among them (`timed` makes one from a plain
+callable). After `warmup` untimed calls of each, every repeat is a round: the guard's
+calibration kernel, then each candidate for as many calls as last `min_repeat_s` (their mean
+is the repeat, as `timeit` groups fast statements, so that clock resolution and scheduler
+jitter do not dominate it). Interleaving candidates within a round makes a neighbour slow them
+alike, so their ratio stays fair. The rounds run under `rematlab.core.guard.Guard`: a
+disturbed round is timed again after waiting for quiet, within the guard's bounds, and the
+result carries the guard's evidence (load, drift, spread, trusted).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rematlab.core.guard import Calibration, Evidence, Guard, Sample
+from rematlab.core.probes import Clock, clock_for
+from rematlab.core.spread import iqr
+
+MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough calls to last at least this long
+PROFILE_REPEAT_SECONDS = 0.02  # the planner's per-block timings: many, each cheap
+PROFILE_MAX_WAIT_S = 2.0  # a profile's timings wait at most this long for a quiet host
+MAX_CALLS_PER_REPEAT = 1000
+Work = Callable[[Clock], dict[str, float]]  # one call: seconds per phase, "step" among them
+
+
+def timed(fn: Callable[[], object]) -> Work:
+    """A plain callable as work: the clock around the whole call is its `step`."""
+    def work(clock: Clock) -> dict[str, float]:
+        clock.start()
+        fn()
+        return {"step": clock.stop()}
+    return work
+
+
+def profile_guard() -> Guard:
+    """The guard of the planner's profiles: one retry and a short wait, since a profile times
+    many blocks and a plan is verified by measured peaks, not by these times."""
+    return Guard(retries=1, max_wait_s=PROFILE_MAX_WAIT_S)
+
+
+def key(name: str, phase: str) -> str:
+    """A sample's entry for `phase` of candidate `name` ('' for a single piece of work)."""
+    return f"{name}/{phase}" if name else phase
+
+
+@dataclass
+class Timing:
+    """The kept repeats, every repeat timed (kept or redone) and the guard's evidence."""
+
+    kept: list[Sample]
+    measured: list[Sample]
+    evidence: Evidence
+
+    def seconds(self, name: str = "", phase: str = "step") -> list[float]:
+        return [s.times[key(name, phase)] for s in self.kept]
+
+    def median(self, name: str = "", phase: str = "step") -> float:
+        return statistics.median(self.seconds(name, phase))
+
+    def iqr(self, name: str = "", phase: str = "step") -> float:
+        return iqr(self.seconds(name, phase))
+
+    @property
+    def measured_s(self) -> float:
+        """Seconds spent inside timed calls, redone repeats included."""
+        return sum(s.measured_s for s in self.measured)
+
+
+class Timer:
+    """Times work on `device` with its clock (CUDA events on a GPU) under `guard`."""
+
+    def __init__(self, device: torch.device, clock: Clock | None = None,
+                 guard: Guard | None = None, min_repeat_s: float = MIN_REPEAT_SECONDS) -> None:
+        self.device = device
+        self.clock = clock or clock_for(device)
+        self.guard = guard or Guard()
+        self.min_repeat_s = min_repeat_s
+        self._calibration: Calibration | None = None
+
+    def run(self, work: Work | dict[str, Work], repeats: int, warmup: int = 1) -> Timing:
+        candidates = work if isinstance(work, dict) else {"": work}
+        for one in candidates.values():
+            for _ in range(warmup):
+                one(self.clock)
+        if self._calibration is None:
+            self._calibration = Calibration(self.device, self.clock)
+        kept, measured, evidence = self.guard.run(
+            lambda: self._round(candidates), repeats,
+            key=(str(self.device), torch.get_num_threads()))
+        return Timing(kept, measured, evidence)
+
+    def _round(self, candidates: dict[str, Work]) -> Sample:
+        calibrated = self._calibration.run()
+        times: dict[str, float] = {}
+        calls = 0
+        elapsed = 0.0
+        for name, one in candidates.items():
+            runs: list[dict[str, float]] = []
+            spent = 0.0
+            while not runs or (spent < self.min_repeat_s and len(runs) < MAX_CALLS_PER_REPEAT):
+                runs.append(one(self.clock))
+                spent += runs[-1]["step"]
+            times.update({key(name, phase): statistics.fmean(r[phase] for r in runs)
+                          for phase in runs[0]})
+            calls += len(runs)
+            elapsed += spent
+        return Sample(times=times, steps=calls, calibration=calibrated, measured_s=elapsed)

@@ -1,0 +1,199 @@
+"""The costs of a model that runs its own layer loop, as a chain of pseudo-blocks [before,
+layer 1..L, after] (see `rematlab.remat.layers`): each layer profiled on the arguments captured
+from a real forward, and what runs before the first layer and after the last read from one
+tracked training step of the whole model (`outer_costs`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematlab.core.batch import Batch, batch_bytes, call, first_float, tensors, to_device
+from rematlab.core.probes import LiveTensorTracker
+from rematlab.core.steps import LossFn, default_loss, preserved, train_step
+from rematlab.core.timer import PROFILE_REPEAT_SECONDS, Timer, profile_guard, timed
+from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import ChainCosts, none_plan
+from rematlab.remat.chain import block_input, optimizer_memory, profile_block
+from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    """The floating tensor a layer hands on (its hidden state)."""
+    t = first_float(out)
+    if t is None:
+        raise ConfigError(f"a layer returned no floating tensor ({type(out).__name__})")
+    return t
+
+
+def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
+                   loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
+                   repeats: int = 1, compile: bool = False) -> ChainCosts:
+    """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring),
+    measured on the batch's device; with `compile`, each layer's costs are those of the layer
+    compiled (what the model around it does is measured eager, and the plan's compiled step
+    is verified whole)."""
+    calls = capture(model, batch, layers)
+    rows = []
+    device = next(tensors(batch)).device
+    for layer, host_call in zip(layers, calls, strict=True):
+        lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
+                       host_call.where)
+        x_in = block_input(lc.hidden(), needs_grad=True)
+
+        def run(x: torch.Tensor, layer: nn.Module = layer, lc: LayerCall = lc) -> torch.Tensor:
+            args, kwargs = lc.with_hidden(x)
+            return _output_tensor(layer(*args, **kwargs))
+
+        with preserved(layer):
+            rows.append(profile_block(layer, x_in, repeats, run=run, others=lc.others(),
+                                      compile=compile))
+    outer = outer_costs(model, batch, layers, loss_fn, repeats)
+    x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
+    state, transient = optimizer_memory(list(model.parameters()), optimizer)
+    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    inputs = batch_bytes(batch)
+    # the step's time outside the layers: what no plan changes, so predicted times are steps
+    outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
+
+    # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
+    # outputs): the live bytes each layer added in the real step, less what its profile
+    # explains. A checkpointed layer holds none of it (caches are not passed to it).
+    live = outer["layer_live"]
+    for i, r in enumerate(rows):
+        nxt = x[i + 2]
+        explained = r["saved"] + nxt - (0 if r["keeps_input"] or i == 0 else r["x"])
+        r["saved"] += max(0, live[i + 1] - live[i] - explained)
+
+    def column(key: str, first: Any, last: Any) -> list:
+        return [first, *(r[key] for r in rows), last]
+
+    return ChainCosts(
+        x=x,
+        saved=column("saved", outer["before_saved"], outer["after_saved"]),
+        keeps_input=column("keeps_input", False, outer["after_keeps_input"]),
+        keeps_output=column("keeps_output", False, False),
+        fwd_mem=column("fwd_mem", outer["before_fwd"], outer["after_fwd"]),
+        bwd_mem=column("bwd_mem", outer["before_bwd"], outer["after_bwd"]),
+        grad=column("grad", outer["before_grad"], outer["after_grad"]),
+        fwd_time=column("fwd_time", 0.0, 0.0),
+        bwd_time=column("bwd_time", outside, 0.0),
+        fwd_flops=column("fwd_flops", 0.0, 0.0),
+        base=params + state + inputs + outer["output"],
+        state=state,
+        optimizer_peak=params + grads + state + transient + inputs,
+    )
+
+
+def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
+                loss_fn: LossFn | None, repeats: int) -> dict:
+    """Costs of what runs before the first layer and after the last, from one tracked
+    training step with every layer kept: live bytes and peaks between five events — first
+    layer entered, last layer left, loss computed, gradient of the last layer's output
+    ready, gradient of the first layer's input ready (none when it needs no gradient, as
+    under frozen embeddings: nothing before the layers runs backward) — and the step's
+    end."""
+    tracker = LiveTensorTracker()
+    events: dict[str, tuple[int, int]] = {}
+    seen: dict[str, Any] = {}
+
+    def mark(name: str) -> None:
+        events.setdefault(name, (tracker.live, tracker.peak))
+        tracker.reset_peak()
+
+    def on_grad(name: str) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if name == "last_grad":
+                seen["after_grad"] = [id(p) for p in model.parameters() if p.grad is not None]
+            mark(name)
+        return hook
+
+    layer_live: list[int] = []  # live bytes as each layer starts, and after the last
+
+    def entering(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        layer_live.append(tracker.live)
+        if len(layer_live) > 1:
+            return
+        x = _output_tensor((args, kwargs))
+        seen["x_first"] = x.untyped_storage().nbytes()
+        mark("first_in")
+        if x.requires_grad:
+            x.register_hook(on_grad("first_grad"))
+        else:  # frozen embeddings (fine-tuning adapters): backward stops in the layers
+            seen["frozen_input"] = True
+
+    def last_out(_m: nn.Module, _args: tuple, out: Any) -> None:
+        layer_live.append(tracker.live)
+        y = _output_tensor(out)
+        seen["y_last"] = y.untyped_storage().nbytes()
+        seen["y_ref"] = weakref.ref(y.untyped_storage())
+        mark("last_out")
+        if y.requires_grad:
+            y.register_hook(on_grad("last_grad"))
+
+    handles = [m.register_forward_pre_hook(entering, with_kwargs=True) for m in layers]
+    handles.append(layers[-1].register_forward_hook(last_out))
+    params = list(model.parameters())
+    plain = attach(model, LayerRemat(layers, none_plan(len(layers) + 2)))  # as planned runs
+    try:
+        with preserved(model):
+            tracker.track([*params, *model.buffers(), *tensors(batch)])
+            mark("start")
+            with tracker:
+                out = call(plain, batch)
+                loss = (loss_fn or default_loss)(out, batch)
+                mark("forward_end")
+                alive = seen["y_ref"]() is not None
+                output = batch_bytes(out)  # the user's loop keeps the output until the end
+                loss.backward()
+                mark("end")
+            del out, loss
+            step_time = _step_time(plain, batch, loss_fn, repeats)
+    finally:
+        for h in handles:
+            h.remove()
+    frozen = seen.get("frozen_input", False)
+    need = {"first_in", "last_out", "forward_end", "last_grad", "end"} | (
+        set() if frozen else {"first_grad"})
+    if not need <= events.keys():
+        raise ConfigError("the model's layers did not take part in backward as a chain "
+                          f"(missing events: {sorted(need - events.keys())})")
+    start, first_in_ = events["start"][0], events["first_in"]
+    last_out_, fwd_end = events["last_out"], events["forward_end"]
+    last_grad, end = events["last_grad"], events["end"]
+    layer_params = {id(p) for m in layers for p in m.parameters()}
+    outside = [p for p in params if id(p) not in layer_params and p.requires_grad]
+    nbytes = {id(p): p.numel() * p.element_size() for p in outside}
+    after_grad = sum(nbytes.get(i, 0) for i in seen.get("after_grad", []))
+    y = seen["y_last"]
+    return {
+        "layer_live": layer_live,
+        "output": output,
+        "before_saved": first_in_[0] - start - seen["x_first"],
+        "before_fwd": first_in_[1] - start,
+        "before_bwd": 0 if frozen else end[1] - events["first_grad"][0],
+        "before_grad": sum(nbytes.values()) - after_grad,
+        "after_saved": fwd_end[0] - last_out_[0] + (0 if alive else y) - output,
+        "after_keeps_input": alive,
+        "after_fwd": fwd_end[1] - last_out_[0],
+        "after_bwd": last_grad[1] - fwd_end[0],
+        "after_grad": after_grad,
+        "step_time": step_time,
+    }
+
+
+def _step_time(model: nn.Module, batch: Batch, loss_fn: LossFn | None, repeats: int) -> float:
+    """Median seconds of a forward+backward step with every layer kept, by the one timer
+    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
+    if repeats < 1:
+        return 0.0
+    timer = Timer(next(tensors(batch)).device, guard=profile_guard(),
+                  min_repeat_s=PROFILE_REPEAT_SECONDS)
+    work = timed(lambda: train_step(model, batch, loss_fn=loss_fn))
+    return timer.run(work, repeats, warmup=1).median()
