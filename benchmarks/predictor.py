@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rematlab.study.predictor import Predictor, dataset, evaluate
+from rematlab.study.features import dataset
+from rematlab.study.predictor import Predictor, evaluate
 from rematlab.study.store import load
 
 TARGETS = [("memory", "random 80/20", "r2", ">=", 0.995), ("memory", "random 80/20", "mape",

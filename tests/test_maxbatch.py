@@ -13,9 +13,10 @@ from rematlab.core.batch import resized
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning import planner
+from rematlab.planning.bisect import confirmed, largest
 from rematlab.planning.budget import DeviceBudget
-from rematlab.planning.maxbatch import confirmed, largest, max_batch
-from rematlab.planning.planner import step_peak
+from rematlab.planning.maxbatch import max_batch
+from rematlab.planning.verify import step_peak
 from rematlab.plans.plan import none_plan, simulate
 from tests import clirun, realzoo
 

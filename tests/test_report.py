@@ -5,8 +5,9 @@ import pandas as pd
 
 from rematlab.gradients.comparison import summarize, verdict
 from rematlab.gradients.training import train
+from rematlab.study.inference import Settings
 from rematlab.study.report import StudyResults, render
-from rematlab.study.stats import Settings, analyze
+from rematlab.study.stats import analyze
 from tests import synthetic
 
 

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from rematlab.study.stats import Settings, analyze, hodges_lehmann
+from rematlab.study.inference import Settings, hodges_lehmann
+from rematlab.study.stats import analyze
 from tests import synthetic
 
 FAST = Settings(bootstrap=300)

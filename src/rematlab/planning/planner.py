@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,28 +23,23 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import call, check_batch, detached, tensors, to_device
-from rematlab.core.probes import StepMemory, one_phase, peak_of
-from rematlab.core.steps import LossFn, preserved, runs_on, step
+from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve
+from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.plan import (
     ChainCosts,
     Plan,
-    every_layer_plan,
     none_plan,
     overhead,
-    selective_per_layer,
-    selective_plan,
     simulate,
-    sqrt_plan,
-    uniform_plan,
 )
 from rematlab.plans.solver import Solution, solve
-from rematlab.remat.chain import compiled, compiling, profile_chain
+from rematlab.remat.chain import compiling, profile_chain
 from rematlab.remat.layer_costs import profile_layers
-from rematlab.remat.layers import LayerRemat, attach, single_layer
-from rematlab.remat.strategies import RematChain, apply
+from rematlab.remat.layers import single_layer
+from rematlab.remat.strategies import apply
 from rematlab.remat.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
@@ -153,7 +147,7 @@ class Planning:
 
     def baselines(self, budget: int | None = None) -> list[dict]:
         """Simulated peak and time of the fixed strategies this model can run."""
-        return compare(self.costs, budget, per_layer=self.structure.kind == "layers")
+        return strategy_table(self.costs, budget, per_layer=self.structure.kind == "layers")
 
 
 def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
@@ -233,80 +227,6 @@ def plan(
     """
     budget = checked(budget)  # a bad budget fails before any profiling
     return prepare(model, example_inputs, **kwargs).choose(budget)
-
-
-def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
-                 costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
-    """Measured peak of a training step under `chosen` (compiled if `chosen.compiled`):
-    forward, loss and backward with the output alive until the end and the optimizer state's
-    bytes allocated, then the optimizer step's peak from `costs` (which was measured on
-    tensors shaped like the parameters). Parameters, buffers and RNG are restored."""
-    remat = RematChain(chain, chosen)
-    run = compiled(remat) if chosen.compiled else remat
-    with compiling():
-        if chosen.compiled:  # compile forward and backward outside the measurement
-            with preserved(remat):
-                step(run, x, loss_fn)
-        return step_peak(remat, run, x, costs.state, costs.optimizer_peak, loss_fn,
-                         tensors_seen=not chosen.compiled)
-
-
-def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
-                        batch: object, costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
-    """Measured peak of the user's step with `chosen` installed on the model's layers (the
-    whole model compiled if `chosen.compiled`, as `torch.compile(apply(model, plan))`)."""
-    twin = attach(model, LayerRemat(layers, chosen))
-    if not chosen.compiled:
-        return step_peak(model, twin, batch, costs.state, costs.optimizer_peak, loss_fn)
-    run = compiled(twin)
-    with compiling():
-        with preserved(model):  # compile forward and backward outside the measurement
-            step(run, batch, loss_fn)
-        return step_peak(model, run, batch, costs.state, costs.optimizer_peak, loss_fn,
-                         tensors_seen=False)
-
-
-def step_peak(owner: nn.Module, run: Callable, batch: object, state_bytes: int,
-              optimizer_peak: int, loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
-    """Peak bytes of one step (`steps.step`) of `run` on `batch` by `probes.StepMemory`, with
-    `owner`'s parameters, buffers, the batch and `state_bytes` of optimizer state alive
-    (tensors counted only where the tracker sees them: eager code); at least the optimizer
-    step's peak (`ChainCosts.optimizer_peak`). `owner`'s gradients, buffers and the RNG are
-    restored."""
-    device = next(tensors(batch)).device
-    state = torch.empty(state_bytes, dtype=torch.uint8, device=device)
-    with preserved(owner):
-        memory = peak_of(StepMemory(device, tensors_seen=tensors_seen),
-                         [*owner.parameters(), *owner.buffers(), *tensors(batch), state],
-                         one_phase(lambda: step(run, batch, loss_fn)))
-    del state
-    return max(memory.peak, optimizer_peak)
-
-
-def compare(costs: ChainCosts, budget: int | None = None, per_layer: bool = False
-            ) -> list[dict]:
-    """Simulated peak and time of the fixed strategies (and the best uniform count that fits
-    `budget`) on one chain: the rows of `rematlab plan`'s comparison table. `per_layer`: a
-    model running its own layer loop, where the baseline is every layer checkpointed
-    (transformers' gradient checkpointing) and selective's picks one layer each."""
-    n = costs.n
-    rows = []
-    none_peak, none_time = simulate(none_plan(n), costs)
-    if per_layer:
-        fixed = [none_plan(n), every_layer_plan(n),
-                 selective_per_layer(costs)]
-    else:
-        uniform = [uniform_plan(n, k) for k in range(2, n + 1)]
-        fitting = [p for p in uniform if budget is None or simulate(p, costs)[0] <= budget]
-        best_uniform = min(fitting or uniform, key=lambda p: simulate(p, costs)[1] if fitting
-                           else simulate(p, costs)[0])
-        fixed = [none_plan(n), best_uniform, sqrt_plan(n), selective_plan(costs)]
-    for p in fixed:
-        peak, time = simulate(p, costs)
-        rows.append({"strategy": p.name, "peak": peak, "time": time,
-                     "overhead": overhead(time, none_time), "peak_ratio": peak / none_peak,
-                     "fits": budget is None or peak <= budget, "plan": p.describe()})
-    return rows
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 from sklearn.base import BaseEstimator, RegressorMixin, clone
 from sklearn.compose import ColumnTransformer
 from sklearn.ensemble import HistGradientBoostingRegressor, RandomForestRegressor
@@ -36,27 +34,21 @@ from sklearn.model_selection import KFold, LeaveOneGroupOut, cross_val_predict
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
 from sklearn.utils.validation import check_is_fitted
-from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab.core.batch import DTYPES
 from rematlab.core.files import write_atomic
 from rematlab.exceptions import ConfigError
-from rematlab.measurement import zoo
-from rematlab.measurement.hardware import device_peaks
 from rematlab.measurement.spec import Spec
-from rematlab.remat import strategies
+from rematlab.study.features import (
+    ANALYTIC,
+    CONFIG_CATEGORICAL,
+    CONFIG_NUMERIC,
+    MIN_FIT,
+    dataset,
+    features,
+)
 from rematlab.study.modelfile import check_archive, check_state, translated
-from rematlab.study.store import trusted_only
 
-CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
-CONFIG_CATEGORICAL = ["model", "strategy_kind", "dtype", "device", "optimizer"]
-ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_largest_segment",
-            "log_fwd_flops", "log_recompute_flops", "log_analytic_peak", "log_batch",
-            "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
-            "log_peak_flops", "log_bandwidth", "log_input_bytes"]
-MIN_FIT = 10  # configurations: five folds of two
 _log = logging.getLogger("rematlab")
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 # The types beyond skops' defaults that a fitted predictor holds: our estimators and the tree
 # structures of the boosting and random-forest models. An exact list, never a prefix: a
 # prefix such as "numpy." admits functions that run code when a crafted file names them.
@@ -68,128 +60,6 @@ SAVED_TYPES = frozenset({
 })
 # Where the saved classes lived before the package had subpackages (files of that layout load).
 FORMER_MODULES = {"rematlab.predictor": __name__}
-
-
-@cache  # one per shape a dataset holds: a few hundred at the study's scale
-def _costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: int,
-           dtype: str, optimizer: str, unit: int):
-    from rematlab.remat.chain import profile_chain
-    from rematlab.remat.tracing import find_chain
-
-    with torch.device("meta"):
-        net, sample, _ = zoo.resolve(model, scale, shape)
-        net = net.to(DTYPES[dtype])
-        x = torch.empty(batch, *sample, dtype=DTYPES[dtype])
-    blocks = find_chain(net).blocks
-    costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer,
-                          unit=unit)
-    kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0}
-    for m in net.modules():
-        name = type(m).__name__.lower()
-        for kind in kinds:
-            if kind in name:
-                kinds[kind] += 1
-    kinds["leaf"] = sum(1 for m in net.modules() if not list(m.children()))
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        net(x)
-    by_op = counter.get_flop_counts().get("Global", {})
-    total = sum(by_op.values()) or 1
-    kinds["conv_share"] = sum(v for op, v in by_op.items() if "convolution" in str(op)) / total
-    return costs, kinds, x.numel() * x.element_size()
-
-
-def features(spec: Spec, device_name: str | None = None, threads: int | None = None) -> dict:
-    """Analytic and configuration features of one configuration (meta device, < 1 s)."""
-    from rematlab.plans.plan import Segment, held_bytes, simulate
-
-    spec = spec.validate()
-    unit = CUDA_BLOCK if spec.device.startswith("cuda") else 1
-    costs, kinds, input_bytes = _costs(spec.model, spec.input, spec.input_shape, spec.batch,
-                                       spec.dtype, spec.optimizer, unit)
-    strat = strategies.parse(spec.strategy)
-    plan = strat.build(costs.n, costs)
-    peak, _ = simulate(plan, costs)
-
-    def recomputed(items) -> float:
-        total = 0.0
-        for it in items:
-            if isinstance(it, Segment):
-                total += sum(costs.fwd_flops[it.start:it.end]) + recomputed(it.inner)
-        return total
-
-    segments = [it for it in plan.items if isinstance(it, Segment)]
-    largest = max((sum(costs.saved[s.start:s.end]) + sum(costs.x[s.start:s.end])
-                   for s in segments), default=0)
-    fwd = sum(costs.fwd_flops)
-    rec = recomputed(plan.items)
-    peak_flops, bandwidth = device_peaks(device_name or spec.device, threads or spec.threads)
-    param_bytes = costs.base - costs.state - input_bytes
-    return {
-        "model": spec.model, "strategy_kind": strat.kind, "dtype": spec.dtype,
-        "device": device_name or spec.device, "optimizer": spec.optimizer,
-        "batch": spec.batch, "n_segments": len(segments),
-        "strategy_arg": float(strat.arg or 0.0),
-        "log_param_bytes": math.log1p(max(param_bytes, 0)),
-        "log_state_bytes": math.log1p(costs.state),
-        "log_saved_bytes": math.log1p(held_bytes(plan, costs)),
-        "log_largest_segment": math.log1p(largest),
-        "log_fwd_flops": math.log1p(fwd), "log_recompute_flops": math.log1p(rec),
-        "log_analytic_peak": math.log(peak), "log_batch": math.log(spec.batch),
-        "recompute_ratio": rec / fwd if fwd else 0.0,
-        "n_conv": kinds["conv"], "n_linear": kinds["linear"], "n_pool": kinds["pool"],
-        "n_norm": kinds["norm"], "n_blocks": costs.n,
-        "log_peak_flops": math.log(peak_flops), "log_bandwidth": math.log(bandwidth),
-        "log_input_bytes": math.log(input_bytes), "analytic_peak": float(peak),
-        # roofline terms, in seconds at the device's peak rates
-        "flops_s": (3.0 * fwd + rec) / peak_flops,
-        "conv_flops_s": (3.0 * fwd + rec) * kinds["conv_share"] / peak_flops,
-        "mm_flops_s": (3.0 * fwd + rec) * (1 - kinds["conv_share"]) / peak_flops,
-        "bytes_s": (3.0 * (sum(costs.x) + sum(costs.saved)) * (1 + rec / fwd if fwd else 1)
-                    + 4.0 * max(param_bytes, 0)) / bandwidth,
-        "ops": kinds["leaf"] * (3.0 + (rec / fwd if fwd else 0.0)),
-    }
-
-
-def dataset(summary: pd.DataFrame, untrusted: bool = False) -> pd.DataFrame:
-    """Features and targets of every `ok` configuration of a `config_summary` frame whose
-    timings the interference guard trusted (all of them with `untrusted`); how many were left
-    out is in the frame's `attrs["untrusted_left_out"]`.
-
-    When fewer than `MIN_FIT` are trusted but enough were measured (a busy machine), the
-    untrusted ones are used too rather than failing: `attrs["untrusted_used"]` counts them,
-    and a warning says so on the `rematlab` logger."""
-    dropped, used = 0, 0
-    if not untrusted:
-        trusted, dropped = trusted_only(summary)
-        if (trusted["outcome"] == "ok").sum() >= MIN_FIT:
-            summary = trusted
-        else:
-            used, dropped = dropped, 0
-            if used:
-                _log.warning("only %d trusted ok configurations, fewer than the %d a fit needs: "
-                             "using %d the guard did not trust (timed on a busy machine)",
-                             (trusted["outcome"] == "ok").sum(), MIN_FIT, used)
-    ok = summary[summary["outcome"] == "ok"].reset_index(drop=True)
-    if len(ok) < MIN_FIT:
-        raise ConfigError(f"need at least {MIN_FIT} ok configurations to fit predictors, the "
-                          f"dataset has {len(ok)}")
-    rows = []
-    for _, r in ok.iterrows():
-        shape = tuple(int(v) for v in str(r["cfg_input_shape"]).split(",")) if isinstance(
-            r.get("cfg_input_shape"), str) and r["cfg_input_shape"] else None
-        spec = Spec(model=r["cfg_model"], batch=int(r["cfg_batch"]), strategy=r["cfg_strategy"],
-                    input=r["cfg_input"] if isinstance(r["cfg_input"], str) else None,
-                    input_shape=shape, device=r["cfg_device"], dtype=r["cfg_dtype"],
-                    optimizer=r["cfg_optimizer"])
-        f = features(spec, device_name=r.get("device_name"))
-        f.update({"time": float(r["step_s_median"]), "memory": float(r["peak_bytes_median"]),
-                  "device_key": f"{r.get('vendor')}:{r.get('device_name')}"})
-        rows.append(f)
-    data = pd.DataFrame(rows)
-    data.attrs["untrusted_left_out"] = dropped
-    data.attrs["untrusted_used"] = used
-    return data
 
 
 def _config_pipeline(estimator) -> Pipeline:

@@ -33,26 +33,22 @@ from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
 from rematlab.exceptions import ConfigError
+from rematlab.study.guidelines import (
+    _claims,
+    _guidelines,
+)
+from rematlab.study.inference import (
+    BLOCK,
+    MIN_BLOCKS,
+    NOISY_CV,
+    RESPONSES,
+    Settings,
+    hl_interval,
+    hodges_lehmann,
+    signed_rank_p,
+)
 from rematlab.study.store import trusted_only
 from rematlab.study.tables import markdown_table
-
-BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
-RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
-MIN_BLOCKS = 6  # below this a two-sided signed-rank test cannot reach p < 0.05
-MIN_ARCH_BLOCKS = 3  # per-architecture claims: a t-test on log ratios works from 3 blocks
-NOISY_CV = 0.10
-
-
-@dataclass
-class Settings:
-    """Thresholds of the verdicts and guidelines (documented, overridable)."""
-
-    alpha: float = 0.05
-    equivalence: float = 0.05  # |log ratio| under which two strategies are "the same"
-    min_saving: float = 0.05  # memory saving that counts as a benefit
-    max_overhead: float = 0.30  # time overhead a recommendation may cost
-    bootstrap: int = 2000
-    seed: int = 0
 
 
 @dataclass
@@ -83,45 +79,6 @@ class StatsReport:
         for name, table in self.tables().items():
             parts += ["", f"### {name}", "", markdown_table(table)]
         return "\n".join(parts) + "\n"
-
-
-def hodges_lehmann(x: np.ndarray) -> float:
-    """Median of the Walsh averages (x_i + x_j) / 2, i <= j: the estimate that goes with the
-    signed-rank test."""
-    x = np.asarray(x, dtype=float)
-    i, j = np.triu_indices(len(x))
-    return float(np.median((x[i] + x[j]) / 2.0))
-
-
-def _hl_ci(x: np.ndarray, s: Settings) -> tuple[float, float]:
-    if len(x) < 2 or np.all(x == x[0]):
-        return float(x[0]) if len(x) else math.nan, float(x[0]) if len(x) else math.nan
-    res = sps.bootstrap((x,), lambda a, axis: np.apply_along_axis(hodges_lehmann, axis, a),
-                        n_resamples=s.bootstrap, method="percentile",
-                        random_state=np.random.default_rng(s.seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
-
-
-def _signed_rank_p(x: np.ndarray) -> float:
-    x = np.asarray(x, dtype=float)
-    if len(x) == 0 or np.all(x == 0):
-        return 1.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return float(sps.wilcoxon(x, zero_method="zsplit").pvalue)
-
-
-def _t_test_p(x: np.ndarray) -> float:
-    """One-sample t-test of log ratios against 0. Per architecture there are few blocks (batch
-    sizes), too few for a signed-rank test to ever reach 5 %; log ratios of peak memory are
-    near-deterministic, which is where a t-test is at its best. Zero variance: p is 0 for a
-    non-zero mean (an exact, repeatable effect) and 1 otherwise."""
-    x = np.asarray(x, dtype=float)
-    if len(x) < 2:
-        return math.nan
-    if np.allclose(x, x[0], rtol=0, atol=1e-12):
-        return 0.0 if abs(x[0]) > 1e-12 else 1.0
-    return float(sps.ttest_1samp(x, 0.0).pvalue)
 
 
 def paired_log_ratios(summary: pd.DataFrame) -> pd.DataFrame:
@@ -188,9 +145,9 @@ def _effects(ratios: pd.DataFrame, s: Settings) -> pd.DataFrame:
         for name in RESPONSES:
             x = g[f"log_{name}"].to_numpy()
             hl = hodges_lehmann(x)
-            lo, hi = _hl_ci(x, s)
+            lo, hi = hl_interval(x, s)
             row.update({f"{name}_change": math.expm1(hl), f"{name}_ci_low": math.expm1(lo),
-                        f"{name}_ci_high": math.expm1(hi), f"{name}_p": _signed_rank_p(x)})
+                        f"{name}_ci_high": math.expm1(hi), f"{name}_p": signed_rank_p(x)})
         row["summary"] = (f"{-row['memory_change']:.1%} less memory "
                           f"[{-row['memory_ci_high']:.1%}, {-row['memory_ci_low']:.1%}], "
                           f"{row['time_change']:+.1%} time "
@@ -232,7 +189,7 @@ def _pairwise(ratios: pd.DataFrame, s: Settings) -> pd.DataFrame:
             d = (wide[b] - wide[a]).dropna().to_numpy()
             rows.append({"response": name, "a": a, "b": b, "blocks": len(d),
                          "hl_log_ratio": hodges_lehmann(d) if len(d) else math.nan,
-                         "p": _signed_rank_p(d)})
+                         "p": signed_rank_p(d)})
     out = pd.DataFrame(rows)
     for name in RESPONSES:
         mask = out["response"] == name
@@ -301,147 +258,3 @@ def _noise(runs: pd.DataFrame | None) -> pd.DataFrame:
                                                                            ascending=False)
 
 
-def _band(batch: int) -> str:
-    return "small (<=32)" if batch <= 32 else "medium (33-128)" if batch <= 128 else "large (>128)"
-
-
-def _guidelines(summary: pd.DataFrame, ratios: pd.DataFrame, s: Settings,
-                memory_cap: int | dict[str, int] | None) -> pd.DataFrame:
-    rows = []
-    if ratios.empty:
-        return pd.DataFrame()
-    ratios = ratios.assign(band=ratios["cfg_batch"].map(_band))
-    for (model, band), g in ratios.groupby(["cfg_model", "band"]):
-        best = None
-        for strategy, h in g.groupby("cfg_strategy"):
-            mem = math.expm1(hodges_lehmann(h["log_memory"].to_numpy()))
-            tim = math.expm1(hodges_lehmann(h["log_time"].to_numpy()))
-            if tim <= s.max_overhead and -mem >= s.min_saving and (best is None or
-                                                                    mem < best[1]):
-                best = (strategy, mem, tim, h)
-        row = {"architecture": model, "batch band": band, "blocks": g["block"].nunique()}
-        if best is None:
-            row.update({"recommended": "none", "memory saving": 0.0, "saving CI": "",
-                        "time overhead": 0.0, "overhead CI": ""})
-        else:
-            strategy, mem, tim, h = best
-            mlo, mhi = _hl_ci(h["log_memory"].to_numpy(), s)
-            tlo, thi = _hl_ci(h["log_time"].to_numpy(), s)
-            row.update({"recommended": strategy, "memory saving": -mem,
-                        "saving CI": f"[{-math.expm1(mhi):.1%}, {-math.expm1(mlo):.1%}]",
-                        "time overhead": tim,
-                        "overhead CI": f"[{math.expm1(tlo):+.1%}, {math.expm1(thi):+.1%}]"})
-        row["pays off from batch"] = _pays_off(ratios[ratios["cfg_model"] == model], s)
-        cap = memory_cap.get(model) if isinstance(memory_cap, dict) else memory_cap
-        row["enables batch under cap"] = _enables(summary[summary["cfg_model"] == model], cap)
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def _pays_off(g: pd.DataFrame, s: Settings) -> int | None:
-    """Smallest batch size at which some strategy saves at least `min_saving` of memory
-    within `max_overhead` of time."""
-    for batch, h in sorted(g.groupby("cfg_batch"), key=lambda kv: kv[0]):
-        by = h.groupby("cfg_strategy")[["log_memory", "log_time"]].median()
-        if ((np.expm1(by["log_memory"]) <= -s.min_saving)
-                & (np.expm1(by["log_time"]) <= s.max_overhead)).any():
-            return int(batch)
-    return None
-
-
-def _enables(g: pd.DataFrame, cap: int | None) -> int | None:
-    """Smallest batch that `none` cannot fit under `cap` but some strategy can."""
-    if cap is None:
-        return None
-    for batch, h in sorted(g.groupby("cfg_batch"), key=lambda kv: kv[0]):
-        none = h[h["cfg_strategy"] == "none"]
-        none_fits = ((none["outcome"] == "ok") & (none["peak_bytes_median"] <= cap)).any()
-        other = h[(h["cfg_strategy"] != "none") & (h["outcome"] == "ok")]
-        if not none_fits and (other["peak_bytes_median"] <= cap).any():
-            return int(batch)
-    return None
-
-
-def _verdict(p: float, n: int, s: Settings, expect_difference: bool,
-             within_margin: bool | None = None) -> str:
-    if n < MIN_BLOCKS or not np.isfinite(p):
-        return "inconclusive"
-    if expect_difference:
-        return "confirmed" if p < s.alpha else "not confirmed"
-    if p < s.alpha:
-        return "not confirmed"
-    return "confirmed" if within_margin else "inconclusive"
-
-
-def _claims(ratios: pd.DataFrame, effects: pd.DataFrame, s: Settings) -> pd.DataFrame:
-    rows = []
-    if ratios.empty:
-        return pd.DataFrame([{"claim": "all", "test": "", "p": math.nan, "effect": "",
-                              "verdict": "inconclusive"}])
-    # (1) remat changes memory and time: per block, the median log ratio over strategies
-    per_block = ratios.groupby("block")[["log_time", "log_memory"]].median()
-    for name in RESPONSES:
-        x = per_block[f"log_{name}"].to_numpy()
-        p = _signed_rank_p(x)
-        rows.append({"claim": f"(1) remat changes {name} versus none",
-                     "test": "Wilcoxon signed-rank (zsplit) of per-block median log ratio",
-                     "blocks": len(x), "p": p,
-                     "effect": f"{math.expm1(hodges_lehmann(x)):+.1%}",
-                     "verdict": _verdict(p, len(x), s, expect_difference=True)})
-    # (2) selective and uniform are indistinguishable
-    strategies = set(ratios["cfg_strategy"])
-    uniform = sorted(x for x in strategies if x.startswith("uniform"))
-    selective = sorted(x for x in strategies if x.startswith("selective"))
-    if uniform and selective:
-        for name in RESPONSES:
-            wide = ratios.pivot_table(index="block", columns="cfg_strategy",
-                                      values=f"log_{name}")
-            d = (wide[selective[0]] - wide[uniform[0]]).dropna().to_numpy()
-            hl = hodges_lehmann(d) if len(d) else math.nan
-            lo, hi = _hl_ci(d, s) if len(d) else (math.nan, math.nan)
-            within = bool(len(d)) and abs(lo) <= s.equivalence and abs(hi) <= s.equivalence
-            p = _signed_rank_p(d)
-            rows.append({"claim": f"(2) {selective[0]} and {uniform[0]} do not differ in {name}",
-                         "test": f"Wilcoxon signed-rank + HL CI within ±{s.equivalence:.0%}",
-                         "blocks": len(d), "p": p, "effect": f"{math.expm1(hl):+.1%}",
-                         "verdict": _verdict(p, len(d), s, False, within)})
-    else:
-        rows.append({"claim": "(2) selective and uniform do not differ", "test": "",
-                     "blocks": 0, "p": math.nan, "effect": "", "verdict": "inconclusive"})
-    # (3) per architecture
-    expectations = {"mlp3": "none", "mlp5": "none", "mlp7": "none", "lenet5": "none",
-                    "alexnet": "moderate", "vgg16": "reduction"}
-    for model, expect in expectations.items():
-        rows.append(_arch_claim(model, expect, ratios, effects, s))
-    return pd.DataFrame(rows)
-
-
-def _arch_claim(model: str, expect: str, ratios: pd.DataFrame, effects: pd.DataFrame,
-                s: Settings) -> dict:
-    text = {"none": "no memory benefit", "moderate": "moderate memory gains",
-            "reduction": "memory reduction with bounded time overhead"}[expect]
-    row = {"claim": f"(3) {model}: {text}", "test": "one-sample t-test of the best strategy's "
-           "memory log ratios over blocks; effect HL with bootstrap CI",
-           "blocks": 0, "p": math.nan, "effect": "", "verdict": "inconclusive"}
-    e = effects[effects["architecture"] == model] if not effects.empty else effects
-    if e.empty:
-        return row
-    best = e.loc[e["memory_change"].idxmin()]
-    per_block = ratios[(ratios["cfg_model"] == model) & (ratios["cfg_strategy"]
-                                                        == best["strategy"])]["log_memory"]
-    p = _t_test_p(per_block.to_numpy())
-    n = len(per_block)
-    significant = p < s.alpha and best["memory_ci_high"] < 0
-    saving = -best["memory_change"]
-    row.update({"blocks": n, "p": p, "effect": f"{best['strategy']}: {best['summary']}"})
-    if n < MIN_ARCH_BLOCKS:
-        return row
-    benefit = significant and saving >= s.min_saving
-    if expect == "none":
-        row["verdict"] = "not confirmed" if benefit else "confirmed"
-    elif expect == "moderate":
-        row["verdict"] = "confirmed" if benefit and saving < 0.5 else "not confirmed"
-    else:
-        bounded = best["time_ci_high"] <= s.max_overhead
-        row["verdict"] = "confirmed" if benefit and bounded else "not confirmed"
-    return row

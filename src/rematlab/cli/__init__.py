@@ -1,0 +1,41 @@
+"""The `rematlab` command: thin typer commands, one library call each (`plans`: one model;
+`study`: datasets and the study).
+
+Bad input prints one line, `error: ...`, and exits with status 2; `--json` prints machine-
+readable output, tables are for people.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from rematlab.cli import plans, study  # noqa: F401  (registers their commands on `app`)
+from rematlab.cli.app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """The console entry point: typer's usage errors (a missing option, `--batch abc`) are
+    one `error:` line and exit status 2, like every other bad input."""
+    # typer vendors its own click (typer._click) in recent releases; older ones use click
+    click = getattr(typer, "_click", None) or importlib.import_module("click")
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=sys.argv[1:], prog_name="rematlab", standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        message = exc.format_message().strip()
+        if not message and exc.ctx is not None:  # no arguments: the help, as usage
+            sys.stdout.write(exc.ctx.get_help() + "\n")
+        else:
+            sys.stderr.write(f"error: {message.splitlines()[0] if message else 'usage'}\n")
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.stderr.write("error: aborted\n")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

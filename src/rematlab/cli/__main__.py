@@ -1,0 +1,5 @@
+"""`python -m rematlab.cli`, as the `rematlab` command."""
+
+from rematlab.cli import main
+
+main()

@@ -1,0 +1,74 @@
+"""The typer app and what every command shares: one-line errors with exit status 2, JSON
+output, and the option types of model inputs and budgets."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from rematlab.core.files import jsonable
+from rematlab.exceptions import RematlabError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Measure, model and optimize activation rematerialization in PyTorch.")
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """Measure, model and optimize activation rematerialization in PyTorch."""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    raise typer.Exit(code)
+
+
+def handles_errors(fn: Callable) -> Callable:
+    """User errors become one line on stderr and exit status 2, never a traceback. Only
+    rematlab's own errors and the OS refusing a path are user errors: anything else is a bug
+    and keeps its traceback."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RematlabError, FileNotFoundError, PermissionError, IsADirectoryError,
+                NotADirectoryError) as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+    return wrapper
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=jsonable) + "\n")
+
+
+Budget = Annotated[str, typer.Option(
+    help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")]
+IncludeUntrusted = Annotated[bool, typer.Option(
+    help="also use configurations whose timings the interference guard did not trust")]
+InputScale = Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")]
+InputShape = Annotated[str | None, typer.Option(help="per-sample shape: 3,224,224")]
+InputDtype = Annotated[str, typer.Option(
+    help="dtype of generated inputs: float32, ..., or int64 for token ids (with --vocab)")]
+Vocab = Annotated[int | None, typer.Option(help="token ids are drawn below this")]
+Example = Annotated[str | None, typer.Option(
+    help="batch factory module:fn, fn(batch) -> tensor, tuple or dict (e.g. input_ids, "
+         "attention_mask, labels); modules resolve from the current directory")]
+Blocks = Annotated[str | None, typer.Option(
+    help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    from rematlab.measurement.zoo import parse_shape
+
+    return parse_shape(text) if text else None
+
+

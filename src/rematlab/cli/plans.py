@@ -1,0 +1,271 @@
+"""Commands on one model: `measure` a configuration, `plan` for budgets, `max-batch`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from rematlab.cli.app import (
+    Blocks,
+    Budget,
+    Example,
+    InputDtype,
+    InputScale,
+    InputShape,
+    Vocab,
+    _print_json,
+    _shape,
+    app,
+    console,
+    handles_errors,
+)
+from rematlab.core.files import write_text
+from rematlab.core.units import format_bytes, parse_bytes
+from rematlab.exceptions import ConfigError
+from rematlab.planning.budget import checked, is_auto
+
+
+@app.command()
+@handles_errors
+def measure(
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    batch: Annotated[int, typer.Option(help="batch size")] = 32,
+    strategy: Annotated[str, typer.Option(help="none, uniform:N, every:K, selective[:T], "
+                                               "sqrt, plan:FILE.json")] = "none",
+    input: Annotated[str | None, typer.Option(help="input scale: mnist, cifar, imagenet")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="per-sample shape, e.g. 3,32,32")] = None,
+    input_dtype: InputDtype = "float32",
+    vocab: Vocab = None,
+    example: Example = None,
+    blocks: Blocks = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam")] = "momentum",
+    warmup: int = 2,
+    repeats: int = 5,
+    max_memory: Annotated[str | None, typer.Option(help="cap, e.g. 512MiB: above it, oom")] = None,
+    threads: int | None = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Measure one training configuration: step time, peak memory, saved bytes, FLOPs."""
+    from rematlab.measurement.measure import measure as run
+    from rematlab.measurement.spec import Spec
+
+    spec = Spec(model=model, batch=batch, strategy=strategy, input=input,
+                input_shape=_shape(input_shape), device=device, dtype=dtype,
+                optimizer=optimizer, warmup=warmup, repeats=repeats, threads=threads,
+                max_memory=parse_bytes(max_memory) if max_memory else None, example=example,
+                input_dtype=None if input_dtype == "float32" else input_dtype, vocab=vocab,
+                blocks=blocks)
+    obs = run(spec)
+    summary = obs.summary()
+    if as_json:
+        _print_json(summary)
+    else:
+        table = Table(title=f"{model} batch {batch} strategy {strategy} on {device}")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_row("outcome", obs.outcome if not obs.error else f"{obs.outcome}: {obs.error}")
+        if obs.outcome == "ok":
+            for phase in ("step", "forward", "backward", "recompute", "optimizer"):
+                table.add_row(f"{phase} time (median ± IQR)",
+                              f"{obs.median(phase) * 1e3:.2f} ± {obs.iqr(phase) * 1e3:.2f} ms")
+            table.add_row("peak memory", format_bytes(obs.peak or 0))
+            table.add_row("saved activations", format_bytes(obs.figures["saved_activation_bytes"]))
+            for key in ("forward_flops", "backward_flops", "recompute_flops"):
+                table.add_row(key.replace("_", " "), f"{obs.figures[key] / 1e9:.3f} GFLOP")
+            table.add_row("plan", str(obs.figures["plan"]))
+            if obs.noisy:
+                table.add_row("warning", "step time IQR > 10% of median: too noisy to trust")
+        console.print(table)
+    if obs.outcome == "error":
+        raise typer.Exit(1)
+
+
+
+@app.command("plan")
+@handles_errors
+def plan_cmd(
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    budget: Annotated[str | None, typer.Option(
+        help="peak memory budget of the step, e.g. 6GiB, or auto: what this device has")]
+    = None,
+    budgets: Annotated[str | None, typer.Option(
+        help="several budgets, comma-separated (40MiB,60MiB): the model is profiled once")]
+    = None,
+    batch: int = 32,
+    input: InputScale = None,
+    input_shape: InputShape = None,
+    input_dtype: InputDtype = "float32",
+    vocab: Vocab = None,
+    example: Example = None,
+    blocks: Blocks = None,
+    device: str = "cpu",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
+    predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="plan for torch.compile(apply(model, plan)): compiled costs")] = False,
+    out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The fastest checkpointing plan whose whole-step peak fits the budget (or each of
+    several budgets, from one profile)."""
+    from rematlab.core.batch import make_example
+    from rematlab.measurement import zoo
+    from rematlab.measurement.spec import available, parse_device
+    from rematlab.planning.planner import prepare
+
+    if compile and predict:
+        raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
+    wanted = _budget_list(budget, budgets)
+    if out is not None and len(wanted) > 1:
+        raise ConfigError("--out writes one plan: give one --budget")
+    dev = available(parse_device(device))
+    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
+    x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
+                     device=dev)
+    planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
+                       else optimizer, blocks=blocks or None, predict=predict, compile=compile)
+    summaries = [_plan_summary(planning, b) for b in wanted]
+    if out is not None:
+        write_text(out, json.dumps(summaries[0]["plan_json"]))
+    if as_json:
+        _print_json(summaries[0] if len(summaries) == 1 else
+                    {"structure": planning.structure.describe(), "plans": summaries,
+                     "curve": planning.curve()})
+        return
+    console.print(f"{type(net).__name__}: {planning.structure.describe()}")
+    if len(summaries) > 1:
+        _print_budget_table(summaries)
+    else:
+        _print_plan(summaries[0], budget)
+    if out is not None:
+        console.print(f"plan written to {out}; use it with --strategy plan:{out}")
+    if compile:
+        console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
+
+
+def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
+    """The budgets asked for, each checked before any profiling."""
+    if (budget is None) == (budgets is None):
+        raise ConfigError("give either --budget or --budgets")
+    listed = [budget] if budget is not None else [b.strip() for b in (budgets or "").split(",")]
+    if not all(listed):
+        raise ConfigError(f"--budgets has an empty entry: {budgets!r}")
+    return [checked(b) for b in listed]
+
+
+def _plan_summary(planning: Any, budget: str) -> dict:
+    """One budget's plan and the fixed strategies beside it, as `rematlab plan` reports it."""
+    from rematlab.plans.plan import overhead
+
+    derived = planning.budget(budget)
+    chosen = planning.choose(derived.nbytes)
+    rows = planning.baselines(derived.nbytes)
+    return {"plan": chosen.describe(), "structure": planning.structure.describe(),
+            "budget": derived.nbytes, "budget_source": derived.how,
+            "predicted_peak": chosen.predicted_peak,
+            "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
+            "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0]["time"]),
+            "baselines": rows, "plan_json": json.loads(chosen.to_json())}
+
+
+def _print_plan(summary: dict, budget: str | None) -> None:
+    limit, rows = summary["budget"], summary["baselines"]
+    if budget is not None and is_auto(budget):
+        console.print(f"budget {format_bytes(limit)}: {summary['budget_source']}")
+    console.print(f"plan: {summary['plan']}")
+    console.print(f"predicted peak {format_bytes(summary['predicted_peak'] or 0)}"
+                  + (f", measured {format_bytes(summary['measured_peak'])}"
+                     if summary["measured_peak"] else "")
+                  + f" (budget {format_bytes(limit)}, floor "
+                  f"{format_bytes(summary['min_peak'] or 0)});"
+                  f" predicted time overhead {summary['predicted_overhead']:+.1%}")
+    table = Table(title="versus fixed strategies (simulated)")
+    for col in ("strategy", "peak", "x none", "time overhead", "fits"):
+        table.add_column(col, justify="right")
+    table.add_row("optimal", format_bytes(summary["predicted_peak"] or 0),
+                  f"{(summary['predicted_peak'] or 0) / rows[0]['peak']:.2f}",
+                  f"{summary['predicted_overhead']:+.1%}", "yes")
+    for r in rows:
+        table.add_row(r["strategy"], format_bytes(r["peak"]), f"{r['peak_ratio']:.2f}",
+                      f"{r['overhead']:+.1%}", "yes" if r["fits"] else "no")
+    console.print(table)
+
+
+def _print_budget_table(summaries: list[dict]) -> None:
+    table = Table(title="one plan per budget (profiled once)")
+    for col in ("budget", "plan", "predicted peak", "measured peak", "time overhead"):
+        table.add_column(col, justify="right")
+    for s in summaries:
+        table.add_row(format_bytes(s["budget"]), s["plan"],
+                      format_bytes(s["predicted_peak"] or 0),
+                      format_bytes(s["measured_peak"]) if s["measured_peak"] else "",
+                      f"{s['predicted_overhead']:+.1%}")
+    console.print(table)
+
+
+@app.command("max-batch")
+@handles_errors
+def max_batch_cmd(
+    model: Annotated[str, typer.Option(help="zoo name or module.path:factory")],
+    budget: Budget,
+    batch: Annotated[int, typer.Option(help="the batch size the search starts from")] = 8,
+    input: InputScale = None,
+    input_shape: InputShape = None,
+    input_dtype: InputDtype = "float32",
+    vocab: Vocab = None,
+    example: Example = None,
+    blocks: Blocks = None,
+    device: str = "cpu",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, none")] = "momentum",
+    limit: Annotated[int, typer.Option(help="largest batch size tried")] = 65536,
+    repeats: Annotated[int, typer.Option(help="timed steps per result (0: no timing)")] = 5,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The largest batch that fits the budget without remat and with the optimal plan, and
+    the throughput (samples/s) of each: does remat pay off for this model?"""
+    from rematlab.core.batch import make_example
+    from rematlab.measurement import zoo
+    from rematlab.measurement.spec import available, parse_device
+    from rematlab.planning.maxbatch import max_batch
+
+    budget = checked(budget)
+    if batch < 2:
+        raise ConfigError(f"--batch must be at least 2 (the search profiles it and twice it), "
+                          f"got {batch}")
+    dev = available(parse_device(device))
+    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
+    make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example)
+
+    def factory(size: int) -> Any:
+        return make_example(size, shape, input_dtype=input_dtype, vocab=vocab,
+                            example=example, device=dev)
+
+    found = max_batch(net.to(dev).train(), factory, budget, start=batch, limit=limit,
+                      optimizer=None if optimizer == "none" else optimizer,
+                      blocks=blocks or None, repeats=repeats)
+    if as_json:
+        _print_json(found.to_dict())
+        return
+    console.print(f"budget {format_bytes(found.budget.nbytes)}: {found.budget.how}")
+    table = Table(title=f"{model}: the largest batch within the budget")
+    for col in ("remat", "batch", "measured peak", "batch+1 peak", "step", "samples/s",
+                "plan"):
+        table.add_column(col, justify="right")
+    for f in found.fits:
+        step = (f"{f.step_s * 1e3:.1f} ms ± {(f.step_iqr or 0) * 1e3:.1f}" if f.step_s
+                else "")
+        table.add_row(f.case, f"{f.batch}{'+' if f.at_limit else ''}",
+                      format_bytes(f.peak) if f.peak else "",
+                      format_bytes(f.over) if f.over else "", step,
+                      f"{f.throughput:.1f}" if f.throughput else "", f.plan or "")
+    console.print(table)
+    console.print(found.verdict())
+    console.print(f"search {found.search_s:.1f} s, timing {found.timing_s:.1f} s")
+
+

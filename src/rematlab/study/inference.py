@@ -1,0 +1,70 @@
+"""The statistical tests and estimates the study rests on, and their settings: the
+Hodges-Lehmann estimate with its bootstrap interval, the signed-rank and t tests."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
+RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
+MIN_BLOCKS = 6  # below this a two-sided signed-rank test cannot reach p < 0.05
+MIN_ARCH_BLOCKS = 3  # per-architecture claims: a t-test on log ratios works from 3 blocks
+NOISY_CV = 0.10
+
+
+@dataclass
+class Settings:
+    """Thresholds of the verdicts and guidelines (documented, overridable)."""
+
+    alpha: float = 0.05
+    equivalence: float = 0.05  # |log ratio| under which two strategies are "the same"
+    min_saving: float = 0.05  # memory saving that counts as a benefit
+    max_overhead: float = 0.30  # time overhead a recommendation may cost
+    bootstrap: int = 2000
+    seed: int = 0
+
+
+def hodges_lehmann(x: np.ndarray) -> float:
+    """Median of the Walsh averages (x_i + x_j) / 2, i <= j: the estimate that goes with the
+    signed-rank test."""
+    x = np.asarray(x, dtype=float)
+    i, j = np.triu_indices(len(x))
+    return float(np.median((x[i] + x[j]) / 2.0))
+
+
+def hl_interval(x: np.ndarray, s: Settings) -> tuple[float, float]:
+    if len(x) < 2 or np.all(x == x[0]):
+        return float(x[0]) if len(x) else math.nan, float(x[0]) if len(x) else math.nan
+    res = sps.bootstrap((x,), lambda a, axis: np.apply_along_axis(hodges_lehmann, axis, a),
+                        n_resamples=s.bootstrap, method="percentile",
+                        random_state=np.random.default_rng(s.seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def signed_rank_p(x: np.ndarray) -> float:
+    x = np.asarray(x, dtype=float)
+    if len(x) == 0 or np.all(x == 0):
+        return 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(sps.wilcoxon(x, zero_method="zsplit").pvalue)
+
+
+def t_test_p(x: np.ndarray) -> float:
+    """One-sample t-test of log ratios against 0. Per architecture there are few blocks (batch
+    sizes), too few for a signed-rank test to ever reach 5 %; log ratios of peak memory are
+    near-deterministic, which is where a t-test is at its best. Zero variance: p is 0 for a
+    non-zero mean (an exact, repeatable effect) and 1 otherwise."""
+    x = np.asarray(x, dtype=float)
+    if len(x) < 2:
+        return math.nan
+    if np.allclose(x, x[0], rtol=0, atol=1e-12):
+        return 0.0 if abs(x[0]) > 1e-12 else 1.0
+    return float(sps.ttest_1samp(x, 0.0).pvalue)
+
+
