@@ -22,7 +22,7 @@ from torch.func import functional_call, jvp
 
 from rematlab.exceptions import ConfigError
 
-LossFn = Callable[[nn.Module], torch.Tensor]
+ModelLoss = Callable[[nn.Module], torch.Tensor]
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -64,7 +64,8 @@ def perturbed(model: nn.Module, seed: int, eps: float) -> Iterator[None]:
             module.forward = original
 
 
-def zo_gradient(model: nn.Module, loss_fn: LossFn, k: int, eps: float, seed: int) -> torch.Tensor:
+def zo_gradient(model: nn.Module, loss_fn: ModelLoss, k: int, eps: float, seed: int
+                ) -> torch.Tensor:
     """Two-point SPSA averaged over k directions into `.grad`; returns the unperturbed loss
     estimate (mean of the two evaluations)."""
     params = trainable(model)
@@ -85,7 +86,7 @@ def zo_gradient(model: nn.Module, loss_fn: LossFn, k: int, eps: float, seed: int
     return torch.stack(losses).mean()
 
 
-def fmad_gradient(model: nn.Module, loss_fn: LossFn, k: int, seed: int) -> torch.Tensor:
+def fmad_gradient(model: nn.Module, loss_fn: ModelLoss, k: int, seed: int) -> torch.Tensor:
     """Forward gradient averaged over k directions into `.grad` (torch.func.jvp)."""
     params = trainable(model)
     names = [n for n, _ in params]
@@ -116,7 +117,7 @@ class _Bound(nn.Module):
         return functional_call(self.model, self.values, (x,))
 
 
-def bp_gradient(model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+def bp_gradient(model: nn.Module, loss_fn: ModelLoss) -> torch.Tensor:
     for _, p in trainable(model):
         p.grad = None
     loss = loss_fn(model)
@@ -155,7 +156,7 @@ class Method:
         return self.kind if self.kind == "bp" else f"{self.kind}:{self.k}"
 
 
-def estimate(method: Method, model: nn.Module, loss_fn: LossFn, seed: int,
+def estimate(method: Method, model: nn.Module, loss_fn: ModelLoss, seed: int,
              eps: float = 1e-3) -> torch.Tensor:
     """Fill `.grad` of the trainable parameters with `method`'s estimate; return the loss."""
     if method.kind in ("bp", "bp+ckpt"):

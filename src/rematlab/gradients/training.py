@@ -28,7 +28,7 @@ from rematlab.core.probes import StepMemory, clock_for, one_phase, peak_of
 from rematlab.core.steps import make_optimizer
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import peft
-from rematlab.gradients.estimators import LossFn, Method, estimate, trainable
+from rematlab.gradients.estimators import Method, ModelLoss, estimate, trainable
 from rematlab.gradients.tasks import Task, build_model, digits, for_finetuning
 from rematlab.remat.strategies import apply as apply_strategy
 
@@ -80,7 +80,7 @@ def _accuracy(model: nn.Module, task: Task) -> float:
         return float((_logits(model(task.x_test)).argmax(1) == task.y_test).float().mean())
 
 
-def _cosine(model: nn.Module, grads: list[torch.Tensor], loss_fn: LossFn) -> float:
+def _cosine(model: nn.Module, grads: list[torch.Tensor], loss_fn: ModelLoss) -> float:
     """Cosine similarity between the estimate in `.grad` and the true gradient."""
     params = [p for _, p in trainable(model)]
     est = torch.cat([g.flatten() for g in grads])
@@ -92,8 +92,8 @@ def _cosine(model: nn.Module, grads: list[torch.Tensor], loss_fn: LossFn) -> flo
 Step = Callable[..., torch.Tensor]  # (model, optimizer, index) -> loss
 
 
-def _costs(method: Method, model: nn.Module, loss_fn: LossFn, step: Step, lr: float,
-           batch: list[torch.Tensor]) -> tuple[float, int]:
+def _step_costs(method: Method, model: nn.Module, loss_fn: ModelLoss, step: Step,
+                lr: float, batch: list[torch.Tensor]) -> tuple[float, int]:
     """FLOPs of one gradient estimate, and the measured peak of one whole training step
     (estimate and optimizer step, with the optimizer's state, parameters, buffers and the
     batch alive), by `probes.StepMemory` as rematlab measures every step — on a copy, after
@@ -187,7 +187,7 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
         optimizer.step()
         return loss
 
-    run.flops_per_step, run.peak_bytes = _costs(m, model, loss_fn, step, lr,
+    run.flops_per_step, run.peak_bytes = _step_costs(m, model, loss_fn, step, lr,
                                                 [batch_x, batch_y])
     run.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     elapsed, first_loss = 0.0, None

@@ -38,16 +38,18 @@ def is_auto(budget: object) -> bool:
 
 
 def checked(budget: str | int) -> str | int:
-    """'auto', or the budget in bytes: a bad size fails here, before any work."""
+    """'auto', or the budget in bytes: the one place a budget is parsed, at the edge (the
+    CLI, `plan`, `prepare(...).choose`, `max_batch`), so a bad size fails before any work;
+    a budget already checked passes through unchanged."""
     return "auto" if is_auto(budget) else parse_bytes(budget)
 
 
-def resolve(budget: str | int, device: torch.device, resident: int = 0) -> DeviceBudget:
-    """`budget` in bytes: a size ('6GiB', a number) as given, or 'auto' (`device_budget`)."""
-    if is_auto(budget):
+def resolve_budget(budget: str | int, device: torch.device, resident: int = 0) -> DeviceBudget:
+    """`budget` in bytes: a size as given, or 'auto' (`device_budget`)."""
+    budget = checked(budget)
+    if budget == "auto":
         return device_budget(device, resident)
-    nbytes = parse_bytes(budget)
-    return DeviceBudget(nbytes, f"given: {format_bytes(nbytes)}")
+    return DeviceBudget(budget, f"given: {format_bytes(budget)}")
 
 
 def device_budget(device: torch.device, resident: int = 0, *,

@@ -45,7 +45,7 @@ from rematlab.core.timer import Timer, Timing
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.bisect import confirmed, largest, scaled
-from rematlab.planning.budget import DeviceBudget, checked, resolve
+from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.planner import Planning, prepare, resident
 from rematlab.planning.verify import step_peak
 from rematlab.plans.plan import ChainCosts, Plan, none_plan, simulate
@@ -139,7 +139,7 @@ class _Searcher:
         self.model, self.make, self.start, self.limit = model, make, start, limit
         self.optimizer, self.blocks, self.loss_fn = optimizer, blocks, loss_fn
         self.device = next(tensors(make(1))).device
-        self.budget = resolve(budget, self.device, resident(model))  # batches come later
+        self.budget = resolve_budget(budget, self.device, resident(model))  # batches come later
         self.plannings: dict[int, Planning] = {}
         for b in (start, 2 * start):
             self.planning(b)

@@ -26,7 +26,7 @@ from rematlab.core.batch import call, check_batch, detached, tensors, to_device
 from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
-from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve
+from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.plan import (
     ChainCosts,
@@ -155,7 +155,7 @@ def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
     """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device has
     (`rematlab.planning.budget`), where the model's parameters, buffers, the batch and `state` bytes
     of optimizer state that already exist count as resident."""
-    return resolve(budget, next(tensors(batch)).device, state + resident(model, batch))
+    return resolve_budget(budget, next(tensors(batch)).device, state + resident(model, batch))
 
 
 def resident(model: nn.Module, batch: object = ()) -> int:

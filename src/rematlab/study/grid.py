@@ -46,7 +46,7 @@ MAX_CONFIGS = 20_000  # a grid larger than this needs `max_configs` raised in th
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds
 MAX_WAIT_TOTAL_S = 600.0  # a sweep waits at most this long for quiet in all (the default)
 
-Batch = Annotated[int, Field(gt=0, le=INT32_MAX)]
+BatchSize = Annotated[int, Field(gt=0, le=INT32_MAX)]
 
 
 def _one_of(values: list[str], allowed: list[str], what: str) -> list[str]:
@@ -74,7 +74,7 @@ class ModelEntry(BaseModel):
     inputs: list[str] | None = Field(default=None, min_length=1)
     input_shape: list[Annotated[int, Field(gt=0, le=INT32_MAX)]] | None = Field(
         default=None, min_length=1, max_length=8)
-    batches: list[Batch] | None = Field(default=None, min_length=1)
+    batches: list[BatchSize] | None = Field(default=None, min_length=1)
 
     @field_validator("inputs", "batches")
     @classmethod
@@ -97,7 +97,7 @@ class Grid(BaseModel):
 
     name: str = "grid"
     models: list[ModelEntry] = Field(min_length=1)
-    batches: list[Batch] = Field(default_factory=lambda: [32], min_length=1)
+    batches: list[BatchSize] = Field(default_factory=lambda: [32], min_length=1)
     strategies: list[str] = Field(default_factory=lambda: ["none"], min_length=1)
     dtypes: list[str] = Field(default_factory=lambda: ["float32"], min_length=1)
     devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
