@@ -6,7 +6,7 @@ import torch
 
 import rematlab
 from rematlab.core.batch import call
-from rematlab.core.probes import CudaEventClock, StepMemory, WallClock
+from rematlab.core.probes import CudaEventClock, WallClock
 from rematlab.core.steps import default_loss
 from rematlab.measurement import zoo
 from rematlab.measurement.measure import measure
@@ -83,8 +83,12 @@ def test_bf16_runs_and_is_measured():
     obs = measure(Spec(model="vgg16", input="cifar", batch=32, dtype="bfloat16", device="cuda",
                        strategy="sqrt", repeats=2))
     assert obs.outcome == "ok", obs.error
-    assert obs.methods["peak"] == StepMemory(CUDA).method
-    assert obs.peak > 0 and obs.reserved[0] >= obs.peak
+    assert "cuda" in obs.methods["peak"].lower()
+    # the step holds at least its parameters and their gradients, and at most what the
+    # process ever allocated (the allocator's own high-water mark, read independently)
+    held = obs.figures["param_bytes"] + obs.figures["grad_bytes"]
+    assert held <= obs.peak <= torch.cuda.max_memory_allocated(CUDA)
+    assert obs.reserved[0] >= obs.peak
 
 
 def test_oom_on_a_capped_device_is_an_outcome_not_a_crash():

@@ -1,10 +1,13 @@
-"""What rematlab assumes about devices it has not measured: peak dense throughput (FLOP/s)
-and memory bandwidth (B/s), by device-name part. One table, used by the predictor's roofline
-features and the sweep's duration estimate (`estimate_seconds`), which on a CPU measures
-instead: the assumed per-thread rate is a floor for any x86 core, several times below what a
-modern core's GEMM reaches, and an estimate from it read three times the real duration."""
+"""The devices' rates: peak dense throughput (FLOP/s) and memory bandwidth (B/s). GPUs are
+read from a table by device-name part (vendors' data sheets); a CPU is measured, never
+assumed, with the interference guard's calibration kernel at the thread count in question
+(an assumed per-thread rate read three times the real duration on this machine). One source,
+used by the predictor's roofline features and the sweep's duration estimate
+(`estimate_seconds`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -19,7 +22,6 @@ DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (31
                 "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
                 "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
 GPU_DEFAULT = (100e12, 1.0e12)  # a CUDA/ROCm device not in the table
-CPU_FLOPS_PER_THREAD = 30e9
 CPU_BANDWIDTH = 20e9
 
 
@@ -32,9 +34,10 @@ def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, f
             return value
     if name.startswith("cuda"):
         return GPU_DEFAULT
-    return CPU_FLOPS_PER_THREAD * (threads or 1), CPU_BANDWIDTH
+    return cpu_flops(threads or torch.get_num_threads()), CPU_BANDWIDTH
 
 
+@functools.cache  # one measurement per thread count and process
 def cpu_flops(threads: int, tries: int = 10) -> float:
     """This machine's dense fp32 rate at `threads` threads: the interference guard's
     calibration kernel, the fastest of `tries` runs (a few milliseconds in all)."""
@@ -49,8 +52,8 @@ def cpu_flops(threads: int, tries: int = 10) -> float:
 
 
 def estimate_seconds(specs: list[Spec]) -> float:
-    """A rough duration: FLOPs of a step from a meta-device trace at the device's rate (on a
-    CPU measured by `cpu_flops`, elsewhere `device_peaks`), times the untimed steps a
+    """A rough duration: FLOPs of a step from a meta-device trace at the device's rate
+    (`device_peaks`), times the untimed steps a
     measurement runs, plus its repeats of at least `MIN_REPEAT_SECONDS`, plus a fifth of a
     second of set-up per configuration."""
 
@@ -69,8 +72,7 @@ def estimate_seconds(specs: list[Spec]) -> float:
             cache[key] = float(counter.get_total_flops())
         threads = s.threads or torch.get_num_threads()
         if (s.device, threads) not in rates:
-            rates[s.device, threads] = (cpu_flops(threads) if s.device == "cpu"
-                                        else device_peaks(s.device, threads)[0])
+            rates[s.device, threads] = device_peaks(s.device, threads)[0]
         step = cache[key] * 1.3 / rates[s.device, threads]
         total += step * s.warmup + max(step, MIN_REPEAT_SECONDS) * s.repeats + 0.2
     return total
