@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from rematlab.core.probes import CpuAllocatorTrace
 from rematlab.core.steps import make_optimizer
+from rematlab.core.timer import Timer, timed
 from rematlab.measurement import zoo
 from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import RematChain
@@ -74,11 +74,10 @@ def main() -> None:
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
         if isinstance(t, torch.Tensor))
     opt.zero_grad(set_to_none=True)
-    hwm, allocator, times = [], [], []
+    timing = Timer(torch.device("cpu")).run(timed(step), args.repeats, warmup=0)
+    times = timing.seconds()
+    hwm, allocator = [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
         with open("/proc/self/clear_refs", "w", encoding="utf-8") as fh:
             fh.write("5")
@@ -99,8 +98,9 @@ def main() -> None:
         "vmhwm_peak_bytes": persistent + int(statistics.median(hwm)),
         "step_s": statistics.median(times),
         "step_min_s": min(times),
-        "step_iqr_s": float(statistics.quantiles(times, n=4)[2]
-                            - statistics.quantiles(times, n=4)[0]),
+        "step_iqr_s": timing.iqr(),
+        "timing": "rematlab.core.timer: interleaved repeats under the interference guard",
+        **timing.evidence.columns(),
     }))
 
 

@@ -16,7 +16,6 @@ candidates alike; a candidate whose spread across rounds exceeds 10 % is marked 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rematlab.core.batch import call
-from rematlab.core.steps import default_loss, make_optimizer
+from rematlab.core.guard import Evidence
+from rematlab.core.steps import make_optimizer, train_step
+from rematlab.core.timer import Timer
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import prepare
@@ -42,34 +42,28 @@ FRACTIONS = (0.0, 0.5)
 NOISY = 0.10
 
 
-def _steps_time(model, batch, opt, steps: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out = call(model, batch)
-        default_loss(out, batch).backward()
-        opt.step()
-        del out
-    return (time.perf_counter() - t0) / steps
-
-
-def _side_by_side(runs: dict, batch, model, rounds: int, steps: int) -> dict[str, tuple]:
-    """Median seconds per step of each candidate over interleaved rounds, and the spread."""
+def _side_by_side(runs: dict, batch, model, rounds: int) -> tuple[dict[str, tuple], Evidence]:
+    """Median seconds per training step of each candidate over interleaved rounds, by the one
+    timer (`rematlab.core.timer`, under the interference guard), and the relative spread
+    (IQR / median). A candidate is a factory that readies the model (transformers' own
+    checkpointing is switched on the shared model), called when its turn comes, untimed."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = make_optimizer("momentum", model.parameters())
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for run in runs.values():  # warm-up
-        _steps_time(run(), batch, opt, 1)
-    for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(_steps_time(run(), batch, opt, steps))
+    ready: dict[str, object] = {}
+
+    def work(name: str, make):
+        def one(clock):
+            if name not in ready:  # another candidate ran in between: ready this one again
+                ready.clear()
+                ready[name] = make()
+            return train_step(model, batch, run=ready[name], optimizer=opt, clock=clock)
+        return one
+
+    timing = Timer(next(model.parameters()).device).run(
+        {name: work(name, make) for name, make in runs.items()}, rounds, warmup=1)
     model.load_state_dict(state)
-    out = {}
-    for name, values in times.items():
-        med = statistics.median(values)
-        q = statistics.quantiles(values, n=4) if len(values) > 1 else [med, med, med]
-        out[name] = (med, (q[2] - q[0]) / med)
-    return out
+    return {name: (timing.median(name), timing.iqr(name) / timing.median(name))
+            for name in runs}, timing.evidence
 
 
 def _hf_layers(model) -> bool:
@@ -77,7 +71,7 @@ def _hf_layers(model) -> bool:
         model, "supports_gradient_checkpointing", False)
 
 
-def bench(name: str, rounds: int, steps: int) -> tuple[list[str], list[str]]:
+def bench(name: str, rounds: int) -> tuple[list[str], list[str]]:
     torch.manual_seed(0)
     model, batch = realzoo.MODELS[name](**SIZES[name])
     model.train()
@@ -130,7 +124,7 @@ def bench(name: str, rounds: int, steps: int) -> tuple[list[str], list[str]]:
                 runs["every:1"] = lambda: apply(model, "every:1", example_input=batch)
         if _hf_layers(model):
             runs["none"] = lambda: (model.activation_checkpointing_disable(), model)[1]
-        got = _side_by_side(runs, batch, model, rounds, steps)
+        got, evidence = _side_by_side(runs, batch, model, rounds)
         if _hf_layers(model):
             model.activation_checkpointing_disable()
         base = got["none"][0]
@@ -146,25 +140,26 @@ def bench(name: str, rounds: int, steps: int) -> tuple[list[str], list[str]]:
             + f" | {plan_s:.1f} s + {choose_s:.1f} s |")
         timing.append(f"| {name} | {format_bytes(budget)} | " + ", ".join(
             f"{k} {v[0] * 1e3:.1f} ms ±{v[1]:.0%}" for k, v in got.items())
-            + (f" | noisy: {', '.join(noisy)}" if noisy else " | ") + " |")
+            + (f" | noisy: {', '.join(noisy)}" if noisy else " | ")
+            + f" | {'yes' if evidence.trusted else 'no'} (load {evidence.load or 0:.0%}) |")
     return rows, timing
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round, one step")
+    parser.add_argument("--quick", action="store_true", help="two rounds")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    rounds, steps = (2, 1) if args.quick else (5, 3)
+    rounds = 2 if args.quick else 5
     torch.set_num_threads(2)
     lines = ["| model | driven as (blocks) | floor | unconstrained | budget | plan | "
              "simulated / measured peak | plan time / none | best baseline that fits | "
              "planning (prepare + choose) |", "|---" * 10 + "|"]
-    timing = ["| model | budget | median step time ± spread (IQR / median) | noisy |",
-              "|---|---|---|---|"]
+    timing = ["| model | budget | median step time ± spread (IQR / median) | noisy | "
+              "trusted by the guard |", "|---|---|---|---|---|"]
     t0 = time.perf_counter()
     for name in realzoo.MODELS:
-        r, t = bench(name, rounds, steps)
+        r, t = bench(name, rounds)
         lines += r
         timing += t
         print(r, flush=True)
