@@ -5,7 +5,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import comparison as gradients
-from rematlab.gradients import peft
+from rematlab.gradients import peft, training
 from rematlab.gradients.comparison import summarize, verdict
 from rematlab.gradients.estimators import (
     Method,
@@ -127,7 +127,7 @@ def test_finetuning_trains_only_adapters_and_head(monkeypatch):
         made.append((tuned, {n: p.detach().clone() for n, p in tuned.named_parameters()}))
         return tuned
 
-    monkeypatch.setattr(gradients, "for_finetuning", recording)
+    monkeypatch.setattr(training, "for_finetuning", recording)
     for method in ("bp", "zo:2"):
         run = train("mlp3", method, steps=10, eval_every=5, finetune=True, lr=1e-2)
         assert len(run.accuracy) == 3

@@ -262,14 +262,16 @@ def test_load_of_a_missing_database_is_a_config_error(tmp_path):
 
 @pytest.mark.ray
 def test_ray_backend_on_a_local_instance(tmp_path):
+    """One real local Ray instance, two configurations (each task gets a fresh worker)."""
     pytest.importorskip("ray")
-    grid = load_grid(_grid(tmp_path, body=TINY.format(extra="").replace(
-        "batches = [4, 8]", "batches = [4]")))
+    grid = load_grid(_grid(tmp_path, body='name = "ray"\nbatches = [4]\nrepeats = 2\n'
+                                            'strategies = ["none", "sqrt"]\n'
+                                            '[[models]]\nname = "mlp3"\n'))
     db = tmp_path / "r.duckdb"
     result = sweep(grid, db, backend="ray")
-    assert result.outcomes["ok"] == 6, result.outcomes
-    assert len(load(db)) == 12
-    assert sweep(grid, db, backend="ray").skipped == 6
+    assert result.outcomes["ok"] == 2, result.outcomes
+    assert len(load(db)) == 4
+    assert sweep(grid, db, backend="ray").skipped == 2
 
 
 def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps(tmp_path):

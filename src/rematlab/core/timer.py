@@ -16,6 +16,7 @@ result carries the guard's evidence (load, drift, spread, trusted).
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +27,7 @@ from rematlab.core.probes import Clock, clock_for
 from rematlab.core.spread import iqr
 
 MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough calls to last at least this long
-PROFILE_REPEAT_SECONDS = 0.02  # the planner's per-block timings: many, each cheap
-PROFILE_MAX_WAIT_S = 2.0  # a profile's timings wait at most this long for a quiet host
+PROFILE_REPEAT_SECONDS = 0.0  # the planner's per-block timings: one call per repeat
 MAX_CALLS_PER_REPEAT = 1000
 Work = Callable[[Clock], dict[str, float]]  # one call: seconds per phase, "step" among them
 
@@ -42,9 +42,18 @@ def timed(fn: Callable[[], object]) -> Work:
 
 
 def profile_guard() -> Guard:
-    """The guard of the planner's profiles: one retry and a short wait, since a profile times
-    many blocks and a plan is verified by measured peaks, not by these times."""
-    return Guard(retries=1, max_wait_s=PROFILE_MAX_WAIT_S)
+    """The guard of the planner's profiles: it judges and reports, but never waits or
+    re-measures, since a profile times many blocks and a plan is verified by measured peaks,
+    not by these times. A disturbed profile timing is said (`warn_if_disturbed`)."""
+    return Guard(retries=0, max_wait_s=0.0)
+
+
+def warn_if_disturbed(timing: Timing, what: str) -> None:
+    """A warning, once per kind of figure, when the guard did not trust a timing."""
+    if not timing.evidence.trusted:
+        warnings.warn(f"{what} were timed on a busy machine (the interference guard did not "
+                      "trust them): the plan's predicted times may be off; its peak is "
+                      "measured and unaffected", RuntimeWarning, stacklevel=3)
 
 
 def key(name: str, phase: str) -> str:

@@ -110,6 +110,7 @@ class _Tracked:
 
     def run(self, clock: Clock) -> tuple[int, int]:
         """Peak and reserved bytes of one step."""
+        self.s.opt.zero_grad(set_to_none=True)  # the step starts without last step's grads
         peak_of(self.memory, self.s.persistent(), lambda phase: _step(self.s, clock, phase))
         self.phase_peaks = dict(self.memory.phase_peaks)
         peak = self.memory.peak
