@@ -64,3 +64,10 @@ def run(args: list[str], cwd: str | Path | None = None, timeout: float = 300
         code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
         return subprocess.CompletedProcess(["rematlab", *args], code, out.read_text(),
                                            err.read_text())
+
+
+def said(stderr: str) -> list[str]:
+    """The lines a command wrote to stderr besides warnings (a busy machine's `warning:`
+    line, transformers' own notes): what a test of its one-line errors looks at."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not line.startswith(("warning: ", "[transformers]"))]

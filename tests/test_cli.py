@@ -33,7 +33,7 @@ def test_measure_json_output_has_the_documented_figures():
 def test_bad_input_is_one_line_and_exit_status_2(args, needle):
     proc = clirun.run(["measure", *args])
     assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
+    lines = clirun.said(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
     assert "Traceback" not in proc.stderr
 
@@ -62,7 +62,7 @@ def test_plan_command_prints_plan_and_baselines(tmp_path):
 def test_infeasible_plan_is_one_line_with_the_floor():
     proc = clirun.run(["plan", "--model", "mlp3", "--batch", "16", "--budget", "1KiB"])
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1
+    assert len(clirun.said(proc.stderr)) == 1
     assert "is infeasible: the smallest peak for this model and batch is" in proc.stderr
 
 
@@ -70,8 +70,8 @@ def test_compile_with_predict_is_refused_in_one_line():
     proc = clirun.run(["plan", "--model", "mlp3", "--budget", "1GiB", "--compile",
                        "--predict"])
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: --compile needs measured costs")
-    assert proc.stderr.count("\n") == 1
+    assert clirun.said(proc.stderr)[0].startswith("error: --compile needs measured costs")
+    assert len(clirun.said(proc.stderr)) == 1
 
 
 MODELS_PY = '''
@@ -128,7 +128,7 @@ def test_bad_input_for_a_real_model_is_one_line_and_exit_2(tmp_path, args, needl
         args = [*args, "--budget", "1GiB"]
     proc = _cli(["plan", "--model", "mymodels:gpt2", "--batch", "4", *args], tmp_path)
     assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")]
+    lines = clirun.said(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
 
 

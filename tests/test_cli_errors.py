@@ -144,7 +144,7 @@ def test_bad_input_is_one_error_line_and_exit_2(files, command, args, needle):
     proc = clirun.run([command, *args], cwd=files)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
+    lines = clirun.said(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert needle.lower() in lines[0].lower(), lines[0]
     assert proc.stdout == ""

@@ -24,8 +24,9 @@ MIB = 2**20
 
 
 def _none_peak(model, x, optimizer="momentum"):
-    """The step's measured peak without remat, as `rematlab.plan` measures plans."""
-    costs = planner.prepare(model, x, optimizer=optimizer).costs
+    """The step's measured peak without remat, as `rematlab.plan` measures plans (the
+    optimizer's bytes from the meta-device profile, which equal the device's)."""
+    costs = planner.prepare(model, x, optimizer=optimizer, predict=True).costs
     return step_peak(model, model, x, costs.state, costs.optimizer_peak, None)
 
 
@@ -137,7 +138,7 @@ def test_auto_replans_when_the_derived_budget_stops_holding(monkeypatch):
     def fake_resolve(budget, device, resident=0):
         return DeviceBudget(device_has["bytes"], "auto (test)")
 
-    monkeypatch.setattr(planner, "resolve", fake_resolve)
+    monkeypatch.setattr(planner, "resolve_budget", fake_resolve)
     wrapped = rematlab.auto(model, "auto", optimizer=None, recheck_s=0.0)
 
     def train_step():

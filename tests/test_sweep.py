@@ -85,7 +85,7 @@ def test_bad_grid_files_are_one_line_errors_naming_the_field(tmp_path, body, nee
     db = tmp_path / "r.duckdb"
     proc = _cli("sweep", str(grid), "--db", str(db))
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert len(clirun.said(proc.stderr)) == 1 and needle in proc.stderr, proc.stderr
     assert not db.exists()
 
 
@@ -206,7 +206,7 @@ def test_a_second_writer_gets_a_clear_error(tmp_path):
     with Store(db):
         proc = _cli("sweep", str(_grid(tmp_path)), "--db", str(db))
     assert proc.returncode == 2 and "in use by another process" in proc.stderr
-    assert proc.stderr.count("\n") == 1
+    assert len(clirun.said(proc.stderr)) == 1
 
 
 def test_store_lock_error_is_a_typed_exception(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import typer
 
@@ -18,9 +19,17 @@ from rematlab.cli.app import app
 __all__ = ["app", "main"]
 
 
+def _warning_line(message: Warning | str, category: type[Warning], *_: object, **__: object
+                  ) -> None:
+    """A library warning (a profile timed on a busy machine) as one `warning:` line."""
+    sys.stderr.write(f"warning: {str(message).splitlines()[0]}\n")
+
+
 def main() -> None:
     """The console entry point: typer's usage errors (a missing option, `--batch abc`) are
-    one `error:` line and exit status 2, like every other bad input."""
+    one `error:` line and exit status 2, like every other bad input; warnings are one
+    `warning:` line each."""
+    warnings.showwarning = _warning_line
     # typer vendors its own click (typer._click) in recent releases; older ones use click
     click = getattr(typer, "_click", None) or importlib.import_module("click")
     command = typer.main.get_command(app)

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rematlab.core.guard import Calibration, Evidence, Guard, Sample
+from rematlab.core.guard import LOAD, Calibration, Evidence, Guard, Sample
 from rematlab.core.probes import Clock, clock_for
 from rematlab.core.spread import iqr
 
 MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough calls to last at least this long
-PROFILE_REPEAT_SECONDS = 0.0  # the planner's per-block timings: one call per repeat
 MAX_CALLS_PER_REPEAT = 1000
 Work = Callable[[Clock], dict[str, float]]  # one call: seconds per phase, "step" among them
 
@@ -48,12 +47,21 @@ def profile_guard() -> Guard:
     return Guard(retries=0, max_wait_s=0.0)
 
 
+def profile_timer(device: torch.device) -> Timer:
+    """The timer of the planner's profiles: one call per repeat, no calibration kernel, and a
+    guard that judges without waiting or re-measuring (`profile_guard`)."""
+    return Timer(device, guard=profile_guard(), min_repeat_s=0.0, calibrate=False)
+
+
 def warn_if_disturbed(timing: Timing, what: str) -> None:
-    """A warning, once per kind of figure, when the guard did not trust a timing."""
-    if not timing.evidence.trusted:
-        warnings.warn(f"{what} were timed on a busy machine (the interference guard did not "
-                      "trust them): the plan's predicted times may be off; its peak is "
-                      "measured and unaffected", RuntimeWarning, stacklevel=3)
+    """A warning when other processes took more than the guard's share of this process's
+    CPUs while a profile was timed. Neither the spread of single sub-millisecond calls nor a
+    calibration is a sign worth a profile's time, so a profile is judged by load alone."""
+    load = timing.evidence.load
+    if load is not None and load > LOAD:
+        warnings.warn(f"{what} were timed on a busy machine (foreign load {load:.0%}): the "
+                      "plan's predicted times may be off; its peak is measured and "
+                      "unaffected", RuntimeWarning, stacklevel=3)
 
 
 def key(name: str, phase: str) -> str:
@@ -88,11 +96,13 @@ class Timer:
     """Times work on `device` with its clock (CUDA events on a GPU) under `guard`."""
 
     def __init__(self, device: torch.device, clock: Clock | None = None,
-                 guard: Guard | None = None, min_repeat_s: float = MIN_REPEAT_SECONDS) -> None:
+                 guard: Guard | None = None, min_repeat_s: float = MIN_REPEAT_SECONDS,
+                 calibrate: bool = True) -> None:
         self.device = device
         self.clock = clock or clock_for(device)
         self.guard = guard or Guard()
         self.min_repeat_s = min_repeat_s
+        self.calibrate = calibrate  # off: judged by foreign load alone (no drift, no kernel)
         self._calibration: Calibration | None = None
 
     def run(self, work: Work | dict[str, Work], repeats: int, warmup: int = 1) -> Timing:
@@ -100,15 +110,17 @@ class Timer:
         for one in candidates.values():
             for _ in range(warmup):
                 one(self.clock)
-        if self._calibration is None:
+        if self._calibration is None and self.calibrate:
             self._calibration = Calibration(self.device, self.clock)
-        kept, measured, evidence = self.guard.run(
-            lambda: self._round(candidates), repeats,
-            key=(str(self.device), torch.get_num_threads()))
+        # uncalibrated rounds keep a reference of their own (zero: no drift), never the
+        # calibrated one other timings are judged against
+        key = (str(self.device), torch.get_num_threads(), *(() if self.calibrate else ("-",)))
+        kept, measured, evidence = self.guard.run(lambda: self._round(candidates), repeats,
+                                                  key=key)
         return Timing(kept, measured, evidence)
 
     def _round(self, candidates: dict[str, Work]) -> Sample:
-        calibrated = self._calibration.run()
+        calibrated = self._calibration.run() if self._calibration is not None else 0.0
         times: dict[str, float] = {}
         calls = 0
         elapsed = 0.0

@@ -29,7 +29,7 @@ from rematlab.core.probes import (
     storage_key,
 )
 from rematlab.core.steps import make_optimizer, preserved
-from rematlab.core.timer import PROFILE_REPEAT_SECONDS, Timer, profile_guard, warn_if_disturbed
+from rematlab.core.timer import profile_timer, warn_if_disturbed
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.remat.tracing import meta_copy
@@ -223,7 +223,7 @@ def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tenso
         backward = clock.stop()
         return {"forward": forward, "backward": backward, "step": forward + backward}
 
-    timer = Timer(x_in.device, guard=profile_guard(), min_repeat_s=PROFILE_REPEAT_SECONDS)
+    timer = profile_timer(x_in.device)
     timing = timer.run(work, repeats, warmup=1)
     warn_if_disturbed(timing, "the blocks' forward and backward times")
     return timing.median(phase="forward"), timing.median(phase="backward")

@@ -16,13 +16,7 @@ from torch import nn
 from rematlab.core.batch import Batch, batch_bytes, call, first_float, tensors, to_device
 from rematlab.core.probes import LiveTensorTracker
 from rematlab.core.steps import LossFn, default_loss, preserved, train_step
-from rematlab.core.timer import (
-    PROFILE_REPEAT_SECONDS,
-    Timer,
-    profile_guard,
-    timed,
-    warn_if_disturbed,
-)
+from rematlab.core.timer import profile_timer, timed, warn_if_disturbed
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts, none_plan
 from rematlab.remat.chain import block_input, optimizer_memory, profile_block
@@ -199,8 +193,7 @@ def _step_time(model: nn.Module, batch: Batch, loss_fn: LossFn | None, repeats: 
     (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
     if repeats < 1:
         return 0.0
-    timer = Timer(next(tensors(batch)).device, guard=profile_guard(),
-                  min_repeat_s=PROFILE_REPEAT_SECONDS)
+    timer = profile_timer(next(tensors(batch)).device)
     work = timed(lambda: train_step(model, batch, loss_fn=loss_fn))
     timing = timer.run(work, repeats, warmup=1)
     warn_if_disturbed(timing, "the model's step time outside its layers")

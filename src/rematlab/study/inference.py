@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
+from rematlab.core.spread import bootstrap
+
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer"]
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
 MIN_BLOCKS = 6  # below this a two-sided signed-rank test cannot reach p < 0.05
@@ -38,12 +40,11 @@ def hodges_lehmann(x: np.ndarray) -> float:
 
 
 def hl_interval(x: np.ndarray, s: Settings) -> tuple[float, float]:
+    """The percentile bootstrap interval of the Hodges-Lehmann estimate (a point where the
+    values do not vary)."""
     if len(x) < 2 or np.all(x == x[0]):
         return float(x[0]) if len(x) else math.nan, float(x[0]) if len(x) else math.nan
-    res = sps.bootstrap((x,), lambda a, axis: np.apply_along_axis(hodges_lehmann, axis, a),
-                        n_resamples=s.bootstrap, method="percentile",
-                        random_state=np.random.default_rng(s.seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return bootstrap((x,), hodges_lehmann, resamples=s.bootstrap, seed=s.seed)
 
 
 def signed_rank_p(x: np.ndarray) -> float:
