@@ -21,7 +21,7 @@ def _grads(run, model, batch) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_a_compiled_per_layer_plan_keeps_its_budget_and_the_compiled_gradients(name):
     torch._dynamo.reset()
-    model, batch = getattr(realzoo, name)(batch=4, seq=64, layers=2)
+    model, batch = getattr(realzoo, name)(batch=8, seq=128, layers=2)
     model.train()
     for m in model.modules():  # dropout off: compiled and eager draw different masks
         if isinstance(m, torch.nn.Dropout):

@@ -131,9 +131,8 @@ def test_memory_cap_gives_oom_rows_and_the_sweep_goes_on(tmp_path):
 
 
 def _sweep_until(tmp_path: Path, progress: str):
-    """A 24-configuration sweep in a subprocess, returned once it logged `progress`."""
-    body = TINY.format(extra="").replace("batches = [4, 8]", "batches = [4, 8, 16, 32]")
-    grid_path = _grid(tmp_path, body=body)
+    """A 12-configuration sweep in a subprocess, returned once it logged `progress`."""
+    grid_path = _grid(tmp_path, body=TINY.format(extra=""))
     db = tmp_path / "r.duckdb"
     proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
                              "--db", str(db)], stderr=subprocess.PIPE, text=True)
@@ -169,7 +168,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
-    proc, grid_path, db = _sweep_until(tmp_path, "[3/24]")
+    proc, grid_path, db = _sweep_until(tmp_path, "[3/12]")
     workers = _descendants(proc.pid)
     assert workers  # the forkserver and the warm worker
     os.kill(proc.pid, signal.SIGKILL)
@@ -181,16 +180,16 @@ def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
     with Store(db) as store:
         done = len(store.done())
         counts = store.con.execute("SELECT config_id, count(*) FROM runs GROUP BY 1").fetchall()
-    assert 3 <= done < 24
+    assert 3 <= done < 12
     assert len(counts) == done and all(n == 2 for _, n in counts)
     result = sweep(load_grid(grid_path), db)
-    assert result.skipped == done and result.skipped + len(result) == 24
+    assert result.skipped == done and result.skipped + len(result) == 12
     runs = load(db)
-    assert len(runs) == 48 and not runs.duplicated(["config_id", "repeat"]).any()
+    assert len(runs) == 24 and not runs.duplicated(["config_id", "repeat"]).any()
 
 
 def test_sigint_keeps_results_and_says_how_to_resume(tmp_path):
-    proc, grid_path, db = _sweep_until(tmp_path, "[2/24]")
+    proc, grid_path, db = _sweep_until(tmp_path, "[2/12]")
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 130

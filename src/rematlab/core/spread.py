@@ -28,11 +28,12 @@ def relative_spread(values: Sequence[float]) -> float:
 
 
 def bootstrap(samples: Sequence[Sequence[float]], statistic: Callable[..., float],
-              resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+              resamples: int = 2000, seed: int = 0, vectorized: bool = False
+              ) -> tuple[float, float]:
     """95 % percentile bootstrap interval of `statistic(*samples)`, each sample resampled
-    within itself (scipy.stats.bootstrap, which vectorises nothing here: statistics are
-    plain functions of the resampled arrays)."""
+    within itself (scipy.stats.bootstrap). `vectorized`: the statistic takes `axis=` and
+    reduces all resamples at once (much faster than one call per resample)."""
     res = stats.bootstrap(tuple(np.asarray(s, dtype=float) for s in samples), statistic,
-                          n_resamples=resamples, method="percentile", vectorized=False,
+                          n_resamples=resamples, method="percentile", vectorized=vectorized,
                           random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -15,14 +15,15 @@ result carries the guard's evidence (load, drift, spread, trusted).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from rematlab.core.guard import LOAD, Calibration, Evidence, Guard, Sample
+from rematlab.core.guard import LOAD, Calibration, Evidence, Guard, HostLoad, Sample
 from rematlab.core.probes import Clock, clock_for
 from rematlab.core.spread import iqr
 
@@ -41,9 +42,9 @@ def timed(fn: Callable[[], object]) -> Work:
 
 
 def profile_guard() -> Guard:
-    """The guard of the planner's profiles: it judges and reports, but never waits or
-    re-measures, since a profile times many blocks and a plan is verified by measured peaks,
-    not by these times. A disturbed profile timing is said (`warn_if_disturbed`)."""
+    """The guard of the planner's profiles: it never waits or re-measures, since a profile
+    times many blocks and a plan is verified by measured peaks, not by these times. A
+    profile on a busy machine is said (`watched`)."""
     return Guard(retries=0, max_wait_s=0.0)
 
 
@@ -53,11 +54,15 @@ def profile_timer(device: torch.device) -> Timer:
     return Timer(device, guard=profile_guard(), min_repeat_s=0.0, calibrate=False)
 
 
-def warn_if_disturbed(timing: Timing, what: str) -> None:
-    """A warning when other processes took more than the guard's share of this process's
-    CPUs while a profile was timed. Neither the spread of single sub-millisecond calls nor a
-    calibration is a sign worth a profile's time, so a profile is judged by load alone."""
-    load = timing.evidence.load
+@contextlib.contextmanager
+def watched(what: str) -> Iterator[None]:
+    """Warn when other processes took more than the guard's share (`LOAD`) of this process's
+    CPUs while the block ran. A profile times many short calls, each too short for the
+    kernel's jiffies to measure load, so it is watched whole: one reading over seconds."""
+    host = HostLoad()
+    host.start()
+    yield
+    load = host.stop()
     if load is not None and load > LOAD:
         warnings.warn(f"{what} were timed on a busy machine (foreign load {load:.0%}): the "
                       "plan's predicted times may be off; its peak is measured and "

@@ -29,7 +29,7 @@ from rematlab.core.probes import (
     storage_key,
 )
 from rematlab.core.steps import make_optimizer, preserved
-from rematlab.core.timer import profile_timer, warn_if_disturbed
+from rematlab.core.timer import profile_timer, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.remat.tracing import meta_copy
@@ -57,20 +57,23 @@ def profile_chain(
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
         "fwd_time", "bwd_time", "fwd_flops")}
     params_bytes = 0
-    for i, block in enumerate(run):
-        x_in = block_input(x, needs_grad=i > 0)
-        with preserved(block):
-            r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
-        if compile:
-            with preserved(block), compiling():
-                r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
-                                                         compile=True).items()
-                          if k in COMPILED_KEYS})
-        for key, value in r.items():
-            if key in fields:
-                fields[key].append(value)
-        params_bytes += r["params"]
-        x = r["out"]
+    watch = (contextlib.nullcontext() if meta
+             else watched("the blocks' forward and backward times"))
+    with watch:
+        for i, block in enumerate(run):
+            x_in = block_input(x, needs_grad=i > 0)
+            with preserved(block):
+                r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
+            if compile:
+                with preserved(block), compiling():
+                    r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
+                                                             compile=True).items()
+                              if k in COMPILED_KEYS})
+            for key, value in r.items():
+                if key in fields:
+                    fields[key].append(value)
+            params_bytes += r["params"]
+            x = r["out"]
     fields["x"].append(rounded(x.element_size() * x.numel(), unit))
     if meta:
         fields["fwd_time"] = list(fields["fwd_flops"])
@@ -225,7 +228,6 @@ def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tenso
 
     timer = profile_timer(x_in.device)
     timing = timer.run(work, repeats, warmup=1)
-    warn_if_disturbed(timing, "the blocks' forward and backward times")
     return timing.median(phase="forward"), timing.median(phase="backward")
 
 

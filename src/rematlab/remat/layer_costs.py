@@ -16,7 +16,7 @@ from torch import nn
 from rematlab.core.batch import Batch, batch_bytes, call, first_float, tensors, to_device
 from rematlab.core.probes import LiveTensorTracker
 from rematlab.core.steps import LossFn, default_loss, preserved, train_step
-from rematlab.core.timer import profile_timer, timed, warn_if_disturbed
+from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts, none_plan
 from rematlab.remat.chain import block_input, optimizer_memory, profile_block
@@ -39,21 +39,11 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
     compiled (what the model around it does is measured eager, and the plan's compiled step
     is verified whole)."""
     calls = capture(model, batch, layers)
-    rows = []
     device = next(tensors(batch)).device
-    for layer, host_call in zip(layers, calls, strict=True):
-        lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
-                       host_call.where)
-        x_in = block_input(lc.hidden(), needs_grad=True)
-
-        def run(x: torch.Tensor, layer: nn.Module = layer, lc: LayerCall = lc) -> torch.Tensor:
-            args, kwargs = lc.with_hidden(x)
-            return _output_tensor(layer(*args, **kwargs))
-
-        with preserved(layer):
-            rows.append(profile_block(layer, x_in, repeats, run=run, others=lc.others(),
-                                      compile=compile))
-    outer = outer_costs(model, batch, layers, loss_fn, repeats)
+    with watched("the layers' forward and backward times"):
+        rows = [_profile_layer(layer, host_call, device, repeats, compile)
+                for layer, host_call in zip(layers, calls, strict=True)]
+        outer = outer_costs(model, batch, layers, loss_fn, repeats)
     x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
     state, transient = optimizer_memory(list(model.parameters()), optimizer)
     params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -89,6 +79,21 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
         state=state,
         optimizer_peak=params + grads + state + transient + inputs,
     )
+
+
+def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
+                   repeats: int, compile: bool) -> dict:
+    """One layer's costs, profiled on the arguments it received in the real forward."""
+    lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
+                   host_call.where)
+    x_in = block_input(lc.hidden(), needs_grad=True)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        args, kwargs = lc.with_hidden(x)
+        return _output_tensor(layer(*args, **kwargs))
+
+    with preserved(layer):
+        return profile_block(layer, x_in, repeats, run=run, others=lc.others(), compile=compile)
 
 
 def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
@@ -195,6 +200,4 @@ def _step_time(model: nn.Module, batch: Batch, loss_fn: LossFn | None, repeats: 
         return 0.0
     timer = profile_timer(next(tensors(batch)).device)
     work = timed(lambda: train_step(model, batch, loss_fn=loss_fn))
-    timing = timer.run(work, repeats, warmup=1)
-    warn_if_disturbed(timing, "the model's step time outside its layers")
-    return timing.median()
+    return timer.run(work, repeats, warmup=1).median()
