@@ -1,7 +1,22 @@
 """Shared fixtures: small, deterministic, CPU-only."""
 
+import shutil
+
 import pytest
 import torch
+
+# MLP-3 and LeNet-5, batches 4 and 8, three strategies, two repeats: 12 configurations, the
+# smallest grid the predictors (10 configurations) and the statistics can run on
+TINY_GRID = """
+name = "tiny"
+batches = [4, 8]
+strategies = ["none", "uniform:2", "sqrt"]
+repeats = 2
+[[models]]
+name = "mlp3"
+[[models]]
+name = "lenet5"
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -9,3 +24,24 @@ def _deterministic():
     torch.manual_seed(0)
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory):
+    """The tiny grid swept once per session (grid path, database, the sweep's result):
+    tests that read a measured dataset share it through `tiny_db`."""
+    from rematlab.study.grid import load_grid
+    from rematlab.study.sweep import sweep
+
+    where = tmp_path_factory.mktemp("tiny")
+    grid = where / "tiny.toml"
+    grid.write_text(TINY_GRID)
+    return grid, where / "r.duckdb", sweep(load_grid(grid), where / "r.duckdb")
+
+
+@pytest.fixture
+def tiny_db(tiny_sweep, tmp_path):
+    """A copy of the session's tiny sweep for one test to read or extend."""
+    grid, db, result = tiny_sweep
+    shutil.copy(db, tmp_path / "r.duckdb")
+    return grid, tmp_path / "r.duckdb", result

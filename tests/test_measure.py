@@ -407,3 +407,29 @@ def test_allocator_trace_sees_inside_compiled_code():
     with CpuAllocatorTrace() as trace:
         out = fn(x)
     assert trace.peak >= out.numel() * out.element_size()
+
+
+def test_the_one_timer_interleaves_candidates_groups_fast_calls_and_redoes_a_busy_round():
+    """Rounds time each candidate in turn (a neighbour slows them alike); a call shorter than
+    `min_repeat_s` is repeated within its round and averaged; a round the host reports busy
+    is timed again after waiting, and the evidence says what happened."""
+    from rematlab.core.timer import Timer
+
+    order: list[str] = []
+
+    def work(name: str, seconds: float):
+        def one(clock):
+            order.append(name)
+            return {"step": seconds}
+        return one
+
+    waits: list[float] = []
+    host = QuietHost([0.0, 0.9, 0.0, 0.0, 0.0, 0.0])  # the second round ran beside a neighbour
+    timer = Timer(torch.device("cpu"), clock=ConstantClock(0.003),
+                  guard=Guard(host=host, sleep=waits.append), min_repeat_s=0.01)
+    timing = timer.run({"a": work("a", 0.004), "b": work("b", 0.02)}, repeats=3, warmup=1)
+    one_round = ["a", "a", "a", "b"]  # 3 x 4 ms reach 10 ms; one 20 ms call does
+    assert order == ["a", "b", *one_round * 4]  # warm-up, then 3 rounds + the redone one
+    assert timing.median("a") == 0.004 and timing.median("b") == 0.02
+    assert timing.iqr("b") == 0.0 and len(timing.kept) == 3 and len(timing.measured) == 4
+    assert timing.evidence.attempts == 4 and timing.evidence.trusted and waits

@@ -103,9 +103,8 @@ def test_a_tampered_predictor_runs_no_code_and_the_cli_exits_2(tmp_path, monkeyp
     _malicious(tmp_path / "evil.skops", tmp_path / "marker")
     with pytest.raises(ConfigError, match="runstring"):
         P.Predictor.load(tmp_path / "evil.skops")
-    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "predict", "--predictor",
-                           str(tmp_path / "evil.skops"), "--model", "mlp3"],
-                          capture_output=True, text=True, timeout=120)
+    proc = clirun.run(["predict", "--predictor", str(tmp_path / "evil.skops"), "--model",
+                       "mlp3"])
     assert proc.returncode == 2, proc.stderr
     assert [line[:7] for line in clirun.said(proc.stderr)] == ["error: "]
     assert not (tmp_path / "marker").exists()
@@ -150,8 +149,7 @@ def test_fit_and_stats_refuse_to_overwrite_their_database(tmp_path):
     db.write_bytes(b"precious")
     for args in (["fit", "--db", str(db), "--out", str(db)],
                  ["stats", "--db", str(db), "--markdown", str(db)]):
-        proc = subprocess.run([sys.executable, "-m", "rematlab.cli", *args],
-                              capture_output=True, text=True, timeout=120)
+        proc = clirun.run(args)
         assert proc.returncode == 2 and "also an input" in proc.stderr, proc.stderr
     assert db.read_bytes() == b"precious"
 

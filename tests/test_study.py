@@ -6,22 +6,11 @@ from rematlab.study import reproduce as study_mod
 from rematlab.study.reproduce import StudySettings, run_study
 from tests import clirun
 
-GRID = """
-name = "tiny"
-batches = [4, 8]
-strategies = ["none", "uniform:2", "sqrt"]
-repeats = 2
-[[models]]
-name = "mlp3"
-[[models]]
-name = "lenet5"
-"""
 
-
-def test_study_end_to_end_and_rerun_reuses_every_stage(tmp_path, monkeypatch):
-    grid = tmp_path / "tiny.toml"
-    grid.write_text(GRID)
-    settings = StudySettings(grid=str(grid), db=tmp_path / "r.duckdb", out=tmp_path / "out",
+def test_study_end_to_end_and_rerun_reuses_every_stage(tiny_db, tmp_path, monkeypatch):
+    """Over the session's tiny sweep (the sweep stage itself is tested in test_sweep)."""
+    grid, db, _ = tiny_db
+    settings = StudySettings(grid=str(grid), db=db, out=tmp_path / "out",
                              gradient_models=("mlp3",), gradient_budgets=(1,),
                              gradient_seeds=1, gradient_steps=10, plan_fractions=(0.5,))
     said: list[str] = []

@@ -96,10 +96,9 @@ def test_unwritable_database_path_is_a_config_error(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
 
 
-def test_sweep_stores_rows_and_resumes_without_duplicates(tmp_path):
-    grid = load_grid(_grid(tmp_path))
-    db = tmp_path / "r.duckdb"
-    first = sweep(grid, db)
+def test_sweep_stores_rows_and_resumes_without_duplicates(tiny_db):
+    grid_path, db, first = tiny_db
+    grid = load_grid(grid_path)
     assert first.outcomes["ok"] == 12 and first.skipped == 0
     assert first.errors.empty and len(first.frame()) == 12
     fastest = first.best("step_s_median")
@@ -218,16 +217,14 @@ def test_store_lock_error_is_a_typed_exception(tmp_path):
     assert proc.returncode == 7
 
 
-def test_export_and_load_round_trip(tmp_path):
-    db = tmp_path / "r.duckdb"
-    sweep(load_grid(_grid(tmp_path, body=TINY.format(extra="").replace(
-        'strategies = ["none", "uniform:2", "sqrt"]', 'strategies = ["none"]'))), db)
+def test_export_and_load_round_trip(tiny_db, tmp_path):
+    _, db, _ = tiny_db
     for fmt in ("parquet", "csv"):
         out = tmp_path / f"runs.{fmt}"
         proc = _cli("export", "--db", str(db), "--out", str(out), "--format", fmt)
         assert proc.returncode == 0, proc.stderr
         frame = pd.read_parquet(out) if fmt == "parquet" else pd.read_csv(out)
-        assert len(frame) == len(load(db)) == 8
+        assert len(frame) == len(load(db)) == 24
     proc = _cli("export", "--db", str(db), "--out", str(tmp_path / "x"), "--format", "xlsx")
     assert proc.returncode == 2
 

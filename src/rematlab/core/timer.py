@@ -119,9 +119,10 @@ class Timer:
             self._calibration = Calibration(self.device, self.clock)
         # uncalibrated rounds keep a reference of their own (zero: no drift), never the
         # calibrated one other timings are judged against
-        key = (str(self.device), torch.get_num_threads(), *(() if self.calibrate else ("-",)))
+        conditions = (str(self.device), torch.get_num_threads(),
+                      *(() if self.calibrate else ("uncalibrated",)))
         kept, measured, evidence = self.guard.run(lambda: self._round(candidates), repeats,
-                                                  key=key)
+                                                  key=conditions)
         return Timing(kept, measured, evidence)
 
     def _round(self, candidates: dict[str, Work]) -> Sample:
