@@ -73,3 +73,12 @@ def said(stderr: str) -> list[str]:
     line, transformers' own notes): what a test of its one-line errors looks at."""
     return [line for line in stderr.splitlines()
             if line.strip() and not line.startswith(("warning: ", "[transformers]"))]
+
+
+def process(target, *args) -> mp.process.BaseProcess:
+    """`target(*args)` in a process from the same server (a test needing a second process,
+    not a command), joined."""
+    proc = _CTX.Process(target=target, args=args)
+    proc.start()
+    proc.join(120)
+    return proc

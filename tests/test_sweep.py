@@ -9,7 +9,7 @@ import duckdb
 import pandas as pd
 import pytest
 
-from rematlab.exceptions import ConfigError
+from rematlab.exceptions import ConfigError, StoreLockedError
 from rematlab.study.grid import load_grid
 from rematlab.study.store import MIGRATIONS, SCHEMA_VERSION, Store, load, trusted_only
 from rematlab.study.sweep import sweep
@@ -207,14 +207,19 @@ def test_a_second_writer_gets_a_clear_error(tmp_path):
     assert len(clirun.said(proc.stderr)) == 1
 
 
+def _open_store(path: str) -> None:
+    """In another process: open the store, exit 7 on the typed lock error."""
+    try:
+        Store(path)
+    except StoreLockedError:
+        sys.exit(7)
+
+
 def test_store_lock_error_is_a_typed_exception(tmp_path):
     db = tmp_path / "r.duckdb"
-    code = ("import sys; from rematlab.study.store import Store; from rematlab.exceptions import "
-            "StoreLockedError\ntry:\n    Store(sys.argv[1])\nexcept StoreLockedError:\n"
-            "    sys.exit(7)")
     with Store(db):
-        proc = subprocess.run([sys.executable, "-c", code, str(db)], timeout=120)
-    assert proc.returncode == 7
+        proc = clirun.process(_open_store, str(db))
+    assert proc.exitcode == 7
 
 
 def test_export_and_load_round_trip(tiny_db, tmp_path):
