@@ -81,7 +81,7 @@ MIGRATIONS: dict[int, list[str]] = {
     1: ["ALTER TABLE runs ADD COLUMN reserved_bytes BIGINT",
         "ALTER TABLE runs ADD COLUMN steps_per_repeat INTEGER"],
     # v3: the interference guard's evidence per row; the harness overhead of each sweep.
-    # Rows from before it keep NULL evidence: analyses keep them (`guard.trusted_only`).
+    # Rows from before it keep NULL evidence: analyses keep them (`trusted_only`, below).
     2: [*(f"ALTER TABLE runs ADD COLUMN {k} {RUN_COLUMNS[k]}" for k in GUARD_COLUMNS),
         "ALTER TABLE sweeps ADD COLUMN harness_overhead DOUBLE",
         "UPDATE sweeps SET harness_overhead = 1 - measured_s / wall_s WHERE wall_s > 0"],
