@@ -60,11 +60,18 @@ def default_loss(out: Any, batch: Batch) -> torch.Tensor:
     return y.square().mean()
 
 
+def forward(model: Callable, batch: Batch, loss_fn: LossFn | None = None
+            ) -> tuple[Any, torch.Tensor]:
+    """The output of `model` on `batch` and its loss (the user's, or `default_loss`)."""
+    out = call(model, batch)
+    return out, (loss_fn or default_loss)(out, batch)
+
+
 def step(model: Callable, batch: Batch, loss_fn: LossFn | None = None) -> Any:
     """Forward, loss and backward of one step; returns the output, alive until the caller
     drops it (as a real loop keeps `out` until the step ends)."""
-    out = call(model, batch)
-    (loss_fn or default_loss)(out, batch).backward()
+    out, loss = forward(model, batch, loss_fn)
+    loss.backward()
     return out
 
 
@@ -95,11 +102,7 @@ def train_step(model: nn.Module, batch: Batch, *, run: Callable | None = None,
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
-    def forward() -> tuple[Any, torch.Tensor]:
-        out = call(run or model, batch)
-        return out, (loss_fn or default_loss)(out, batch)
-
-    out, loss = timed("forward", forward)
+    out, loss = timed("forward", lambda: forward(run or model, batch, loss_fn))
     timed("backward", loss.backward)
     if optimizer is not None:
         timed("optimizer", optimizer.step)
