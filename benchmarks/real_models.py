@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rematlab.core.guard import Evidence
 from rematlab.core.steps import make_optimizer, train_step
-from rematlab.core.timer import Timer
+from rematlab.core.timer import Timer, Turns
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import prepare
@@ -49,18 +49,15 @@ def _side_by_side(runs: dict, batch, model, rounds: int) -> tuple[dict[str, tupl
     checkpointing is switched on the shared model), called when its turn comes, untimed."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = make_optimizer("momentum", model.parameters())
-    ready: dict[str, object] = {}
+    ready = Turns(runs)  # readied again whenever another candidate ran in between
 
-    def work(name: str, make):
+    def work(name: str):
         def one(clock):
-            if name not in ready:  # another candidate ran in between: ready this one again
-                ready.clear()
-                ready[name] = make()
-            return train_step(model, batch, run=ready[name], optimizer=opt, clock=clock)
+            return train_step(model, batch, run=ready(name), optimizer=opt, clock=clock)
         return one
 
     timing = Timer(next(model.parameters()).device).run(
-        {name: work(name, make) for name, make in runs.items()}, rounds, warmup=1)
+        {name: work(name) for name in runs}, rounds, warmup=1)
     model.load_state_dict(state)
     return {name: (timing.median(name), timing.iqr(name) / timing.median(name))
             for name in runs}, timing.evidence

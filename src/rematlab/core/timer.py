@@ -20,6 +20,7 @@ import statistics
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +73,24 @@ def watched(what: str) -> Iterator[None]:
 def key(name: str, phase: str) -> str:
     """A sample's entry for `phase` of candidate `name` ('' for a single piece of work)."""
     return f"{name}/{phase}" if name else phase
+
+
+class Turns:
+    """What each candidate needs while it is timed (its batch, a model readied for it): made
+    when the candidate's turn comes, shared by the calls of that turn, and dropped before
+    another candidate's is made, so no two are alive at once."""
+
+    def __init__(self, make: dict[str, Callable[[], Any]]) -> None:
+        self.make = make
+        self._name: str | None = None
+        self._value: Any = None
+
+    def __call__(self, name: str) -> Any:
+        if name != self._name:
+            self._name, self._value = None, None  # the previous turn's is freed first
+            self._value = self.make[name]()
+            self._name = name
+        return self._value
 
 
 @dataclass

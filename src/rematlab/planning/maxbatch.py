@@ -41,7 +41,7 @@ from rematlab.core.checks import bounded
 from rematlab.core.guard import Evidence
 from rematlab.core.probes import Clock
 from rematlab.core.steps import LossFn, is_oom, make_optimizer, preserved, train_step
-from rematlab.core.timer import Timer, Timing
+from rematlab.core.timer import Timer, Timing, Turns
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.bisect import confirmed, largest, scaled
@@ -298,25 +298,24 @@ def side_by_side(model: nn.Module, runs: dict[str, tuple[nn.Module, Callable[[],
                  ) -> Timing:
     """Training steps (forward, loss, backward, optimizer step) of each run on its batch,
     timed side by side by the one timer (`rematlab.core.timer`): interleaved rounds under
-    the guard. A batch is made before each timed step, outside the clock, and never two
-    are alive at once. `model`'s weights, gradients, buffers and the RNG are restored
+    the guard. A run's batch is made when its turn comes, outside the clock, and never two
+    are alive at once (`Turns`). `model`'s weights, gradients, buffers and the RNG are restored
     afterwards."""
     snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     opt = make_optimizer(optimizer, model.parameters()) if optimizer else None
 
-    def work(run: nn.Module, make: Callable[[], Batch]) -> Callable[[Clock], dict[str, float]]:
+    batch = Turns({name: make for name, (_, make) in runs.items()})
+
+    def work(name: str, run: nn.Module) -> Callable[[Clock], dict[str, float]]:
         def one(clock: Clock) -> dict[str, float]:
-            batch = make()
-            times = train_step(model, batch, run=run, loss_fn=loss_fn, optimizer=opt,
-                               clock=clock)
-            del batch
-            return times
+            return train_step(model, batch(name), run=run, loss_fn=loss_fn, optimizer=opt,
+                              clock=clock)
         return one
 
     try:
         with preserved(model):
-            return Timer(device).run({name: work(run, make) for name, (run, make)
+            return Timer(device).run({name: work(name, run) for name, (run, _)
                                       in runs.items()}, repeats, warmup=max(1, warmup))
     finally:
         model.load_state_dict(snapshot)
