@@ -1,6 +1,7 @@
 """The planner against every baseline, side by side in one run, on this machine's CPU.
 
     .venv/bin/python benchmarks/planner.py [--quick] [--out docs/benchmarks/planner.md]
+    .venv/bin/python benchmarks/planner.py --scale   # planning time against chain length
 
 For each zoo model and budgets between the smallest feasible peak and the unconstrained one:
 the plan's measured peak (must not exceed the budget) and step time, against the fastest
@@ -197,16 +198,37 @@ def run(quick: bool) -> str:
     return text
 
 
+SCALE = "\n## Planning at scale"
+
+
+def _write(out: Path, head: str | None, scale: str | None) -> None:
+    """Write the comparison (`head`) or the scale section, keeping the other part of `out`
+    as it was: the two are measured by separate runs."""
+    old = out.read_text() if out.exists() else ""
+    old_head, _, old_scale = old.partition(SCALE)
+    head = head if head is not None else old_head.rstrip("\n") + "\n"
+    scale = scale if scale is not None else (SCALE.lstrip("\n") + old_scale if old_scale
+                                             else "")
+    out.write_text(head + ("\n" + scale if scale else ""))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scale", action="store_true",
+                        help="time planning against chain length (benchmarks/planner_scale.py)")
     parser.add_argument("--out", default="docs/benchmarks/planner.md")
     args = parser.parse_args()
-    body = run(args.quick)
-    Path(args.out).write_text("# Planner against baselines\n\nCommand: `python "
-                              + " ".join(sys.argv) + "` (CPU, 2 threads, torch "
-                              + torch.__version__ + "); eager times are the fastest of "
-                              "five interleaved rounds (each the median of 3 repeats), "
-                              "relative to `none` measured in the same rounds.\n\n"
-                              + body + "\n")
-    print(body)
+    if args.scale:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from planner_scale import section
+
+        _write(Path(args.out), None, section())
+    else:
+        body = run(args.quick)
+        _write(Path(args.out), "# Planner against baselines\n\nCommand: `python "
+               + " ".join(sys.argv) + "` (CPU, 2 threads, torch " + torch.__version__
+               + "); eager times are the fastest of five interleaved rounds (each the "
+               "median of 3 repeats), relative to `none` measured in the same rounds.\n\n"
+               + body + "\n", None)
+        print(body)

@@ -195,3 +195,33 @@ def test_compare_lists_the_fixed_strategies_with_their_simulated_costs():
     fitting = [simulate(uniform_plan(n, k), costs) for k in range(2, n + 1)]
     assert uniform["time"] == min(t for p, t in fitting if p <= budget)
     assert uniform["fits"]
+
+
+class _Scaled(torch.nn.Module):
+    """Same repr, parameters and shapes for every `power`; a different computation."""
+
+    def __init__(self, power: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.power = power
+
+    def forward(self, x):
+        for _ in range(self.power):
+            x = self.lin(x)
+        return torch.relu(x)
+
+
+def test_identical_blocks_are_profiled_once_and_hidden_differences_are_not():
+    """Repeated blocks share one profile (equal costs, times included: the solver then
+    solves their sub-chains once); a block whose repr matches but whose forward does more
+    work (caught by its FLOPs) is profiled on its own."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(4)]
+    blocks += [_Scaled(1), _Scaled(1), _Scaled(3)]
+    costs = profile_chain(blocks, torch.randn(16, 32), optimizer=None, repeats=1)
+    row = [(costs.saved[i], costs.fwd_time[i], costs.bwd_time[i], costs.fwd_flops[i])
+           for i in range(costs.n)]
+    assert row[1] == row[2] == row[3]  # block 0's input needs no gradient: a different key
+    assert row[4] == row[5] != row[6]
+    assert costs.fwd_flops[6] == 3 * costs.fwd_flops[5]  # three matmuls, not one
+    assert int(solve(costs).ids.max()) < costs.n * (costs.n + 1) // 2

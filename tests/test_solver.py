@@ -127,3 +127,59 @@ def test_costs_that_admit_no_plan_are_a_clear_error_not_an_index_error():
     costs.fwd_time[1] = float("nan")  # a broken profile: no plan has a finite time
     with pytest.raises(ConfigError, match="admit no plan"):
         solve(costs).plan_for(10**6)
+
+
+def paged_costs(n: int, seed: int, page: int = 4096) -> ChainCosts:
+    """Heterogeneous costs in whole pages: `solve(costs, unit=page)` is exact, a reference."""
+    c = random_costs(n, seed)
+    rng = random.Random(seed)
+    for name in ("x", "saved", "fwd_mem", "bwd_mem", "grad"):
+        setattr(c, name, [(v * 31 + rng.randint(0, 30)) * page for v in getattr(c, name)])
+    c.fwd_time = [rng.uniform(1, 9) for _ in range(n)]
+    c.bwd_time = [rng.uniform(1, 9) for _ in range(n)]
+    return c
+
+
+@pytest.mark.parametrize(("n", "seed", "levels"), [(24, 0, 800), (32, 1, 400)])
+def test_discretised_plans_are_within_half_a_percent_of_the_optimum(n, seed, levels):
+    """The documented accuracy (solver docstring): a coarse grid's plan for budget B is
+    within 0.5 % of the time of the exact optimum for 0.995 B, its floor within 0.5 %."""
+    costs = paged_costs(n, seed)
+    exact = solve(costs, unit=4096)
+    coarse = solve(costs, levels=levels)
+    assert coarse.unit > 4096  # the unit does not divide the terms: rounding is exercised
+    assert coarse.min_peak <= 1.005 * exact.min_peak
+    full = simulate(Plan(n, tuple(range(n))), costs)[0]
+    for budget in range(coarse.min_peak, full + 1, max(1, (full - coarse.min_peak) // 100)):
+        plan = coarse.plan_for(budget)
+        assert plan.predicted_peak <= budget
+        try:
+            best = exact.plan_for(int(0.995 * budget)).predicted_time
+        except InfeasibleBudgetError:
+            continue
+        assert plan.predicted_time <= 1.005 * best
+
+
+def test_identical_blocks_share_sub_chains_and_keep_the_plans_of_distinct_ones():
+    """Sub-chains are interned by their blocks' costs: an embedding, 40 identical layers and
+    a head give O(n) distinct sub-chains, and the plans equal those of the same chain with
+    each layer's time perturbed by a nanosecond (every sub-chain distinct): same curve."""
+    layer = random_costs(1, 7)
+    ends = random_costs(2, 8)
+    n = 42
+
+    def chain(shift: float) -> ChainCosts:
+        c = random_costs(n, 0)
+        for name in ("saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
+                     "fwd_time", "bwd_time"):
+            values = getattr(layer, name) * (n - 2)
+            if name == "fwd_time":  # distinct floats that equal the shared ones to the DP
+                values = [v + shift * i for i, v in enumerate(values)]
+            setattr(c, name, [getattr(ends, name)[0], *values, getattr(ends, name)[1]])
+        c.x = [ends.x[0], *[layer.x[0]] * (n - 1), ends.x[1]]
+        return c
+
+    shared, distinct = solve(chain(0.0), unit=1), solve(chain(1e-9), unit=1)
+    assert int(shared.ids.max()) < 4 * n < int(distinct.ids.max())
+    assert ([(p.predicted_peak, round(p.predicted_time, 5)) for p in shared.frontier]
+            == [(p.predicted_peak, round(p.predicted_time, 5)) for p in distinct.frontier])

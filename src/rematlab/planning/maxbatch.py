@@ -50,7 +50,6 @@ from rematlab.planning.planner import Planning, prepare, resident
 from rematlab.planning.verify import step_peak
 from rematlab.plans.plan import ChainCosts, Plan, none_plan, simulate
 from rematlab.plans.solver import solve
-from rematlab.remat.layers import single_layer
 from rematlab.remat.strategies import apply
 
 CASES = ("none", "optimal")
@@ -193,9 +192,7 @@ class _Searcher:
         costs = self.costs(batch)
         if case == "none":
             return simulate(none_plan(costs.n), costs)[0]
-        n = costs.n
-        allowed = (lambda s, k: single_layer(s, k, n)) if self.layers else None
-        return solve(costs, allowed=allowed).min_peak
+        return solve(costs, layers=self.layers).min_peak
 
     def peak(self, case: str, batch: int) -> int | None:
         """The measured step peak at `batch` without remat, or of the floor plan (the

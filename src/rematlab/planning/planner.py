@@ -38,7 +38,6 @@ from rematlab.plans.plan import (
 from rematlab.plans.solver import Solution, solve
 from rematlab.remat.chain import compiling, profile_chain
 from rematlab.remat.layer_costs import profile_layers
-from rematlab.remat.layers import single_layer
 from rematlab.remat.strategies import apply
 from rematlab.remat.structure import Structure, structure
 
@@ -194,7 +193,7 @@ def prepare(
         with compiling():
             costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
                                    optimizer=optimizer, repeats=repeats, compile=compile)
-        solution = solve(costs, allowed=lambda s, k: single_layer(s, k, costs.n))
+        solution = solve(costs, layers=True)
     else:
         if not isinstance(batch, torch.Tensor):
             raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "

@@ -7,15 +7,32 @@ already held, the fastest schedule either runs block s keeping its activations a
 recomputes [s, k) under its own optimal (possibly again checkpointed) schedule. That recursion
 is exactly `plan.need`, so the solver's plans and the simulator agree by construction.
 
-Memory is discretised in `unit` bytes; every memory term is rounded up, so a plan the solver
-calls feasible at level m needs at most m * unit bytes in the simulator.
+Why it is fast enough for long chains (docs/benchmarks/planner.md):
+- **One table, every budget.** A solve fills the best time of the whole chain at every memory
+  level; `Solution.frontier` reads the Pareto curve off it and a budget is a lookup.
+- **Identical sub-chains are solved once.** Sub-chains are interned by the exact costs of
+  their blocks: a chain of L identical layers between an embedding and a head has O(L)
+  distinct sub-chains, not O(L²), so the DP does O(L²) work per level instead of O(L³).
+- **The split point is vectorised.** All candidate segments [s, k) of one sub-chain are
+  evaluated in one numpy gather over (k, level); with the input not yet held, every segment
+  costs exactly the same plus the input, so that case is a shift of the held case.
+
+Memory is discretised in `unit` bytes (`grid_unit`), with as many levels as about a second
+of numpy allows (`affordable_levels`). The byte counts a plan adds up are rounded to the
+nearest unit and transient peaks up; the unit divides the former whenever tensor sizes share a
+factor that fine (they usually share a large power of two), and the DP is then exact at every
+level. Otherwise rounding errors of both signs partly cancel: on random heterogeneous chains
+(tests/test_solver.py; 25-50 blocks in docs/benchmarks/planner.md) the plan for budget B is
+within 0.5 % of the time of the exact optimum for 0.995 B, and the floor within 0.5 % of the
+exact floor. The
+frontier's peaks and times are the simulator's exact figures either way, so a budget is never
+broken by rounding.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,24 +44,30 @@ from rematlab.plans.plan import (
     Item,
     Plan,
     Segment,
-    checkpoint_terms,
     keep_terms,
     need,
     step_peak,
 )
 
-_INF = float("inf")
+WORK = 100_000_000  # table cells a solve may read: about a second of numpy on this machine
+MAX_CELLS = 20_000_000  # table cells (sub-chains x levels): ~240 MB with the choices
+_INF = np.float32(np.inf)
+_KEEP = -1  # choice code: run the block kept (a checkpoint [s, k) is coded as k - s >= 1)
 
 
 @dataclass
 class Solution:
-    """DP tables for one chain: pick a plan for any memory level without solving again."""
+    """DP tables for one chain: pick a plan for any memory level without solving again.
+
+    `ids[s, t]` is the interned sub-chain [s, t); `table[h, id, m]` the fastest time of that
+    sub-chain within m units (h: its input already held), `choice[h, id, m]` the decision."""
 
     costs: ChainCosts
     unit: int
     levels: int
-    table: dict[tuple[int, int, int], np.ndarray]
-    choice: dict[tuple[int, int, int], np.ndarray]
+    ids: np.ndarray
+    table: np.ndarray
+    choice: np.ndarray
 
     @property
     def min_peak(self) -> int:
@@ -58,7 +81,7 @@ class Solution:
         holds a new plan; rounding makes neighbouring levels hold plans whose exact peaks
         interleave, so the front is filtered on the exact values."""
         c = self.costs
-        top = self.table[(1, 0, c.n)]
+        top = self.table[1, self.ids[0, c.n]]
         finite = np.isfinite(top)
         improves = finite & np.concatenate(([True], top[1:] < top[:-1]))
         found: dict[tuple[Item, ...], tuple[int, float]] = {}
@@ -87,82 +110,203 @@ class Solution:
         return replace(fits[-1], name=name, budget=budget)
 
     def _build(self, h: int, s: int, t: int, level: int) -> tuple[Item, ...]:
-        if s == t:
-            return ()
-        c = self.costs
-        k = int(self.choice[(h, s, t)][level])
-        if k < 0:
-            held, _, _ = keep_terms(c, s, t, bool(h))
-            return (s, *self._build(int(c.keeps_output[s]), s + 1, t,
-                                    level - _units(held, self.unit)))
-        held, _, recompute_base = checkpoint_terms(c, s, k, t, bool(h))
-        rest = self._build(0, k, t, level - _units(held, self.unit))
-        inner_level = min(self.levels, level - _units(recompute_base, self.unit))
-        inner = self._build(1, s, k, inner_level)
-        return (Segment(s, k, inner), *rest)
+        """The items the table chose for [s, t) at `level`, replaying the DP's unit
+        arithmetic (`_Grid`) so that every step lands on the level the DP read."""
+        c, u = self.costs, self.unit
+        items: list[Item] = []
+        while s < t:
+            code = int(self.choice[h, self.ids[s, t], level])
+            if code == _KEEP:
+                held, _, _ = keep_terms(c, s, t, bool(h))
+                items.append(s)
+                level -= _nearest(held, u)
+                h, s = int(c.keeps_output[s]), s + 1
+                continue
+            k = s + code
+            outer = 0 if h else _nearest(c.x[s], u)
+            inner_level = min(self.levels, level - outer - _nearest(_inner_base(c, k, t), u))
+            items.append(Segment(s, k, self._build(1, s, k, inner_level)))
+            level -= outer
+            h, s = 0, k
+        return tuple(items)
 
 
 def _units(nbytes: float, unit: int) -> int:
+    """A transient peak in units, rounded up: compared with a level once, exactly when the
+    unit divides it (`m >= _units(b)` iff `m * unit >= b`)."""
     return math.ceil(nbytes / unit)
 
 
-def _shift(arr: np.ndarray, by: int) -> np.ndarray:
-    """out[m] = arr[m - by], +inf below 0, clamped to the top level above it."""
-    idx = np.arange(arr.size) - by
-    out = arr[np.clip(idx, 0, arr.size - 1)].copy()
-    out[idx < 0] = _INF
-    return out
+def _nearest(nbytes: int, unit: int) -> int:
+    """A byte count the DP adds up, in units, rounded to the nearest: exact when the unit
+    divides it; otherwise errors of both signs partly cancel along a plan, where rounding
+    up would add n/2 units on average (the frontier's peaks are exact either way)."""
+    return (int(nbytes) + unit // 2) // unit
 
 
-def solve(costs: ChainCosts, levels: int = 2000, unit: int | None = None,
-          allowed: Callable[[int, int], bool] | None = None) -> Solution:
+def _inner_base(c: ChainCosts, k: int, t: int) -> int:
+    """What is live when a segment ending at k is recomputed, beyond its input (see
+    `checkpoint_terms`): the output gradient and the gradients of blocks k..t-1."""
+    return c.x[k] - c.x[t] + c.grads_between(k, t)
+
+
+def _summed_terms(c: ChainCosts) -> list[int]:
+    """The byte counts the DP adds up along a plan: what kept blocks hold (saved tensors,
+    boundaries) and the gradients live during a recomputation. Transient peaks are only
+    compared with a level, once, so they need no common unit."""
+    return [int(v) for v in (*c.x, *c.saved, *c.grad)]
+
+
+def grid_unit(c: ChainCosts, levels: int) -> int:
+    """The memory unit for about `levels` levels up to the keep-everything need: a divisor
+    of every summed term (`_summed_terms`) when one is that fine, so that only transients
+    and gradients are rounded; else the need over `levels`, every term rounded up."""
+    full, _ = need(tuple(range(c.n)), c.n, True, c)
+    target = max(1, math.ceil(full / levels))
+    common = functools.reduce(math.gcd, (abs(v) for v in _summed_terms(c)), 0)
+    if common < target:
+        return target
+    first = math.ceil(common / target)
+    return next((common // k for k in range(first, first + 4096) if common % k == 0), target)
+
+
+def affordable_levels(lengths: np.ndarray, layers: bool) -> int:
+    """How many memory levels a solve can afford: about `WORK` table cells read over all
+    (sub-chain, split) pairs, within `MAX_CELLS` stored, between 1,024 and 16,384."""
+    splits = int(np.count_nonzero(lengths)) if layers else int(np.maximum(lengths - 1, 0).sum())
+    reads = splits + 2 * lengths.size  # the splits, and the two kept branches of each
+    cap = MAX_CELLS // max(1, lengths.size)
+    return int(min(max(WORK // max(1, reads), 1024), 16_384, cap))
+
+
+def intern_subchains(c: ChainCosts, layers: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`ids[s, t]`: equal for two sub-chains whose blocks have equal costs, in order (the
+    DP's value depends on nothing else), -1 below the diagonal; 0 is the empty chain. Also
+    each id's length."""
+    n = c.n
+    kinds: dict[tuple, int] = {}
+    kind = [kinds.setdefault((c.x[i], c.x[i + 1], c.saved[i], c.keeps_input[i],
+                              c.keeps_output[i], c.fwd_mem[i], c.bwd_mem[i], c.grad[i],
+                              c.fwd_time[i], c.bwd_time[i], _alone(i, n, layers)), len(kinds))
+            for i in range(n)]
+    ids = np.full((n + 1, n + 1), -1, dtype=np.int64)
+    known: dict[tuple[int, int], int] = {}
+    lengths = [0]
+    for s in range(n + 1):
+        ids[s, s] = 0
+        for t in range(s + 1, n + 1):
+            key = (int(ids[s, t - 1]), kind[t - 1])
+            if key not in known:
+                known[key] = len(lengths)
+                lengths.append(t - s)
+            ids[s, t] = known[key]
+    return ids, np.asarray(lengths)
+
+
+def _alone(i: int, n: int, layers: bool) -> bool | None:
+    """Whether block i may be checkpointed alone in a per-layer problem (None: any segment
+    of a chain): a model's own loop runs layers 1..n-2, not what comes before or after."""
+    return (0 < i < n - 1) if layers else None
+
+
+def solve(costs: ChainCosts, levels: int | None = None, unit: int | None = None,
+          layers: bool = False) -> Solution:
     """Fill the DP tables up to the memory that keeping every activation needs.
 
-    `allowed(start, end)` restricts which segments may be checkpointed (the per-layer
-    problem of a model that runs its own layer loop); the recursion is otherwise the same, so
-    the plan is optimal among the allowed ones.
+    `layers=True` solves the per-layer problem of a model that runs its own layer loop:
+    segments are single blocks among 1..n-2 (its layers); the recursion is otherwise the
+    same, so the plan is optimal among those.
 
-    Each memory term is rounded up to a unit, at most 2n+2 times along a plan, so the grid
-    gets that many levels of headroom above the full need: keeping everything stays feasible.
+    `levels` (default: what `affordable_levels` allows) sets the memory unit
+    (`grid_unit`) unless `unit` is given. Each memory term is rounded up to a unit, at most
+    2n+2 times along a plan, so the grid gets that many levels of headroom above the full
+    need: keeping everything stays feasible.
     """
     n = costs.n
+    ids, lengths = intern_subchains(costs, layers)
+    n_ids = lengths.size
+    unit = unit or grid_unit(costs, levels or affordable_levels(lengths, layers))
     full, _ = need(tuple(range(n)), n, True, costs)
-    unit = unit or max(1, math.ceil(full / levels))
-    levels = math.ceil(full / unit) + 2 * n + 2
-    size = levels + 1
-    mem_levels = np.arange(size)
-    table: dict[tuple[int, int, int], np.ndarray] = {}
-    choice: dict[tuple[int, int, int], np.ndarray] = {}
-    for s in range(n + 1):
-        for h in (0, 1):
-            table[(h, s, s)] = np.zeros(size)
+    top = math.ceil(full / unit) + 2 * n + 2
+    grid = _Grid(costs, unit, top, n_ids, layers)
+    done = np.zeros(n_ids, dtype=bool)
+    done[0] = True
     for length in range(1, n + 1):
         for s in range(n - length + 1):
-            t = s + length
-            for h in (0, 1):
-                best, arg = _options(costs, s, t, h, table, mem_levels, unit, allowed)
-                table[(h, s, t)] = best
-                choice[(h, s, t)] = arg
-    return Solution(costs, unit, levels, table, choice)
+            sub = int(ids[s, s + length])
+            if not done[sub]:
+                grid.fill(s, s + length, ids)
+                done[sub] = True
+    return Solution(costs, unit, top, ids, grid.table, grid.choice)
 
 
-def _options(c: ChainCosts, s: int, t: int, h: int, table: dict, levels: np.ndarray,
-             unit: int, allowed: Callable[[int, int], bool] | None
-             ) -> tuple[np.ndarray, np.ndarray]:
-    held, fwd, bwd = keep_terms(c, s, t, bool(h))
-    best = _shift(table[(int(c.keeps_output[s]), s + 1, t)], _units(held, unit))
-    best = best + c.fwd_time[s] + c.bwd_time[s]
-    best[levels < _units(max(fwd, bwd), unit)] = _INF
-    arg = np.full(levels.size, -1)
-    for k in range(s + 1, t):
-        if allowed is not None and not allowed(s, k):
-            continue
-        ck_held, ck_fwd, recompute_base = checkpoint_terms(c, s, k, t, bool(h))
-        rest = _shift(table[(0, k, t)], _units(ck_held, unit))
-        inner = _shift(table[(1, s, k)], _units(recompute_base, unit))
-        cand = rest + inner + sum(c.fwd_time[s:k])
-        cand[levels < _units(ck_fwd, unit)] = _INF
-        better = cand < best
-        best = np.where(better, cand, best)
-        arg = np.where(better, k, arg)
-    return best, arg
+class _Grid:
+    """The DP tables and one sub-chain's update. Column `top + 1` of every table row is +inf:
+    a gather sends an infeasible level there instead of masking afterwards."""
+
+    def __init__(self, c: ChainCosts, unit: int, top: int, n_ids: int, layers: bool) -> None:
+        self.c, self.unit, self.top, self.layers = c, unit, top, layers
+        self.width = top + 2
+        self.table = np.full((2, n_ids, self.width), _INF, dtype=np.float32)
+        self.table[:, 0, : top + 1] = 0.0  # the empty chain costs nothing at any level
+        self.choice = np.full((2, n_ids, self.width), _KEEP, dtype=np.int16 if c.n < 2**15
+                              else np.int32)
+        self.m = np.arange(top + 1)
+        self.prefix_fwd = np.concatenate(([0.0], np.cumsum(c.fwd_time)))
+
+    def fill(self, s: int, t: int, ids: np.ndarray) -> None:
+        c, u, m = self.c, self.unit, self.m
+        sub = ids[s, t]
+        ck_time, ck_code = self._checkpoints(s, t, ids)
+        for h in (1, 0):
+            held, fwd, bwd = keep_terms(c, s, t, bool(h))
+            nxt = self.table[int(c.keeps_output[s]), ids[s + 1, t]]
+            best = _shifted(nxt, _nearest(held, u), self.top) + np.float32(
+                c.fwd_time[s] + c.bwd_time[s])
+            best[m < _units(max(fwd, bwd), u)] = _INF
+            code = np.full(m.size, _KEEP, dtype=self.choice.dtype)
+            if ck_time is not None:
+                by = 0 if h else _nearest(c.x[s], u)
+                cand, cand_code = _shifted(ck_time, by, self.top), _shifted(ck_code, by,
+                                                                            self.top)
+                better = cand < best
+                best = np.where(better, cand, best)
+                code = np.where(better, cand_code, code)
+            self.table[h, sub, : self.top + 1] = best
+            self.choice[h, sub, : self.top + 1] = code
+
+    def _checkpoints(self, s: int, t: int, ids: np.ndarray
+                     ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Best time over checkpointed segments [s, k), k < t, with the input held, at every
+        level; and the chosen k - s. One gather over (k, level)."""
+        c, u = self.c, self.unit
+        ks = [s + 1] if self.layers else list(range(s + 1, t))
+        if self.layers and not (0 < s < c.n - 1 and s + 1 < t):
+            return None, None
+        if not ks:
+            return None, None
+        karr = np.asarray(ks)
+        inner_shift = np.array([_nearest(_inner_base(c, k, t), u) for k in ks])
+        # peak of running [s, k) forward without saving, its input held (`checkpoint_terms`)
+        run_peak = np.maximum.accumulate(
+            [c.fwd_mem[i] + (c.x[i] if i > s else 0) for i in range(s, t - 1)])
+        low = np.maximum(inner_shift, [_units(int(v), u) for v in run_peak[: len(ks)]])
+        cols = np.minimum(self.m[None, :] - inner_shift[:, None], self.top)
+        cols = np.where(self.m[None, :] >= low[:, None], cols, self.top + 1)
+        inner_rows = self.table[1].reshape(-1)
+        inner = inner_rows[ids[s, karr][:, None] * self.width + cols]
+        rest = self.table[0, ids[karr, t], : self.top + 1]
+        fwd = (self.prefix_fwd[karr] - self.prefix_fwd[s]).astype(np.float32)
+        cand = inner + rest + fwd[:, None]
+        arg = np.argmin(cand, axis=0)
+        best = np.take_along_axis(cand, arg[None, :], axis=0)[0]
+        return best, (karr[arg] - s).astype(self.choice.dtype)
+
+
+def _shifted(arr: np.ndarray, by: int, top: int) -> np.ndarray:
+    """out[m] = arr[m - by] for m in 0..top: +inf (or keep) below 0, the top level above."""
+    idx = np.arange(top + 1) - by
+    out = arr[np.clip(idx, 0, top)].copy()
+    out[idx < 0] = _INF if out.dtype.kind == "f" else _KEEP
+    return out
+

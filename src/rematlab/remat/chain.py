@@ -59,16 +59,20 @@ def profile_chain(
     params_bytes = 0
     watch = (contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
+    repeated = Repeats()
     with watch:
         for i, block in enumerate(run):
             x_in = block_input(x, needs_grad=i > 0)
-            with preserved(block):
-                r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
-            if compile:
-                with preserved(block), compiling():
-                    r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
-                                                             compile=True).items()
-                              if k in COMPILED_KEYS})
+            r = repeated.costs(block, [x_in], lambda b=block, x_in=x_in: b(x_in))
+            if r is None:
+                with preserved(block):
+                    r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
+                if compile:
+                    with preserved(block), compiling():
+                        r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
+                                                                 compile=True).items()
+                                  if k in COMPILED_KEYS})
+                repeated.remember(block, [x_in], r)
             for key, value in r.items():
                 if key in fields:
                     fields[key].append(value)
@@ -91,6 +95,46 @@ def profile_chain(
         state=state,
         optimizer_peak=params_bytes + grads + state + transient + base_input,
     )
+
+
+class Repeats:
+    """Costs of blocks already profiled, by structure: a repeated block (a transformer's
+    layers, a ResNet stage's, the identical blocks of a deep chain) is profiled once and its
+    costs shared. Sharing measured times, rather than timing every copy, also gives the copies
+    *equal* costs, which lets the solver solve their sub-chains once (`solver.intern_subchains`).
+
+    Two blocks are the same when their class, `repr`, training flag, parameter and buffer
+    shapes, dtypes and `requires_grad`, and input shapes are; and, as a guard against a
+    difference the `repr` does not show, when a forward of the second (no gradient) counts
+    the same FLOPs and returns the same shape."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple, dict] = {}
+
+    def costs(self, module: nn.Module, inputs: list[torch.Tensor],
+              forward: Callable[[], torch.Tensor]) -> dict | None:
+        """The remembered costs of a block like `module` on `inputs` with `out` its own
+        output of `forward()`, or None when it must be profiled."""
+        row = self.rows.get(_structure(module, inputs))
+        if row is None:
+            return None
+        flops = FlopCounterMode(display=False)
+        with preserved(module), torch.no_grad(), flops:
+            out = forward()
+        if flops.get_total_flops() != row["fwd_flops"] or out.shape != row["out"].shape:
+            return None
+        return {**row, "out": out}
+
+    def remember(self, module: nn.Module, inputs: list[torch.Tensor], row: dict) -> None:
+        self.rows.setdefault(_structure(module, inputs), row)
+
+
+def _structure(module: nn.Module, inputs: list[torch.Tensor]) -> tuple:
+    return (type(module).__qualname__, repr(module), module.training,
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                  for n, p in module.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
+            tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
 
 
 def block_input(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:

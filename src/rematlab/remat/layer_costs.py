@@ -19,7 +19,7 @@ from rematlab.core.steps import LossFn, default_loss, preserved, train_step
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts, none_plan
-from rematlab.remat.chain import block_input, optimizer_memory, profile_block
+from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 
 
@@ -41,7 +41,8 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
     calls = capture(model, batch, layers)
     device = next(tensors(batch)).device
     with watched("the layers' forward and backward times"):
-        rows = [_profile_layer(layer, host_call, device, repeats, compile)
+        repeated = Repeats()
+        rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated)
                 for layer, host_call in zip(layers, calls, strict=True)]
         outer = outer_costs(model, batch, layers, loss_fn, repeats)
     x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
@@ -82,8 +83,9 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
-                   repeats: int, compile: bool) -> dict:
-    """One layer's costs, profiled on the arguments it received in the real forward."""
+                   repeats: int, compile: bool, repeated: Repeats) -> dict:
+    """One layer's costs, profiled on the arguments it received in the real forward (or
+    those of an identical layer profiled before it, `Repeats`)."""
     lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
                    host_call.where)
     x_in = block_input(lc.hidden(), needs_grad=True)
@@ -92,8 +94,14 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
         args, kwargs = lc.with_hidden(x)
         return _output_tensor(layer(*args, **kwargs))
 
-    with preserved(layer):
-        return profile_block(layer, x_in, repeats, run=run, others=lc.others(), compile=compile)
+    inputs = [x_in, *lc.others()]
+    row = repeated.costs(layer, inputs, lambda: run(x_in))
+    if row is None:
+        with preserved(layer):
+            row = profile_block(layer, x_in, repeats, run=run, others=lc.others(),
+                                compile=compile)
+        repeated.remember(layer, inputs, row)
+    return dict(row)
 
 
 def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],

@@ -12,7 +12,7 @@ arguments, as transformers' gradient checkpointing and torch's
 
 Which layers are checkpointed is decided per layer, not per segment of several layers: the
 model's loop calls one layer at a time, so a region can only be one layer. The planner solves
-that restricted problem optimally (`allowed=` in `solver.solve`) over a chain of pseudo-blocks:
+that restricted problem optimally (`layers=True` in `solver.solve`) over a chain of pseudo-blocks:
 block 0 is everything the model runs before its first layer (embeddings, masks), blocks
 1..L the layers, block L+1 everything after the last one (head, loss), with the output alive
 until backward. The layers' costs are profiled one by one on the arguments captured from a real
