@@ -9,7 +9,16 @@ from functools import cache
 import pytest
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.plans.plan import ChainCosts, Plan, Segment, need, simulate, uniform_plan
+from rematlab.plans.plan import (
+    ChainCosts,
+    Option,
+    Plan,
+    Segment,
+    Selective,
+    need,
+    simulate,
+    uniform_plan,
+)
 from rematlab.plans.solver import solve
 
 
@@ -30,15 +39,17 @@ def random_costs(n: int, seed: int) -> ChainCosts:
     )
 
 
-def all_plans(start: int, end: int) -> list[tuple]:
+def all_plans(start: int, end: int, costs: ChainCosts | None = None) -> list[tuple]:
     """Every item sequence over blocks start..end-1, nested segments included (a segment may
-    cover its whole range, but not be the only item of a segment of the same range)."""
+    cover its whole range, but not be the only item of a segment of the same range), and
+    every kept block under each option of its menu in `costs`."""
 
     @cache
     def seqs(s: int, t: int, whole: bool) -> tuple[tuple, ...]:
         if s == t:
             return ((),)
-        out = [(s, *rest) for rest in seqs(s + 1, t, True)]
+        kept = [s, *(Selective.of(s, o) for o in (costs.menu(s) if costs else []))]
+        out = [(k, *rest) for k in kept for rest in seqs(s + 1, t, True)]
         for k in range(s + 1, t + 1 if whole else t):
             for inner in seqs(s, k, False):
                 seg = Segment(s, k, inner)
@@ -63,6 +74,36 @@ def test_solver_is_optimal_against_brute_force(seed):
         assert plan.predicted_peak <= budget
         assert plan.predicted_time == pytest.approx(best)
         assert simulate(plan, costs) == (plan.predicted_peak, plan.predicted_time)
+
+
+def with_menus(costs: ChainCosts, seed: int) -> ChainCosts:
+    """Up to two op-level options per block: less held, a larger backward, more time."""
+    rng = random.Random(seed)
+    costs.options = [[Option(f"o{j}", (("aten.mm.default", j),), rng.randint(0, costs.saved[i]),
+                             rng.random() < 0.8, rng.random() < 0.3, costs.fwd_mem[i],
+                             costs.bwd_mem[i] + rng.randint(0, 4), costs.fwd_time[i],
+                             costs.bwd_time[i] + rng.randint(0, 4), ops=f"b{i}")
+                      for j in range(rng.randint(1, 2))] for i in range(costs.n)]
+    return costs
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_solver_is_optimal_over_op_level_menus_against_brute_force(seed):
+    """One option per kept block, chosen with the segments: optimal over every plan the
+    menus allow, and each simulated exactly as the solver predicted."""
+    n = 3 + seed % 2
+    costs = with_menus(random_costs(n, seed), seed)
+    candidates = [(simulate(Plan(n, items), costs), items)
+                  for items in all_plans(0, n, costs)]
+    assert any(isinstance(it, Selective) for _, items in candidates for it in items)
+    solution = solve(costs, unit=1)
+    assert solution.min_peak == min(peak for (peak, _), _ in candidates)
+    for budget in range(solution.min_peak, max(p for (p, _), _ in candidates) + 1):
+        best = min(t for (peak, t), _ in candidates if peak <= budget)
+        plan = solution.plan_for(budget)
+        assert plan.predicted_time == pytest.approx(best)
+        assert simulate(plan, costs) == (plan.predicted_peak, plan.predicted_time)
+        assert Plan.from_json(plan.to_json()).items == plan.items
 
 
 def test_infeasible_budget_carries_the_minimum_peak():

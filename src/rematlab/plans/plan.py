@@ -36,7 +36,43 @@ class Segment:
     inner: tuple[Item, ...]
 
 
-Item = Union[int, Segment]  # noqa: UP007 - recursive alias needs the runtime form
+@dataclass(frozen=True)
+class Option:
+    """A way to run block i kept but holding less (an op-level plan): only the outputs of
+    the ops in `saves` — (aten op name, occurrence within the block's forward) — are kept
+    for backward, every other op is recomputed during backward. Its memory and times are
+    measured like a plain block's (`ChainCosts`); `ops` fingerprints the block's op sequence,
+    so a plan made for other code is refused (`rematlab.remat.ops`)."""
+
+    name: str
+    saves: tuple[tuple[str, int], ...]
+    saved: int
+    keeps_input: bool
+    keeps_output: bool
+    fwd_mem: int
+    bwd_mem: int
+    fwd_time: float
+    bwd_time: float
+    ops: str = ""
+
+
+@dataclass(frozen=True)
+class Selective:
+    """Run `block` kept under the option named `option`: save the outputs of the ops in
+    `saves`, recompute the rest in backward; `ops` fingerprints the op sequence the option
+    was made for (the plan carries both, so it applies without its costs)."""
+
+    block: int
+    option: str
+    saves: tuple[tuple[str, int], ...] = ()
+    ops: str = ""
+
+    @classmethod
+    def of(cls, block: int, opt: Option) -> Selective:
+        return cls(block, opt.name, opt.saves, opt.ops)
+
+
+Item = Union[int, Selective, Segment]  # noqa: UP007 - recursive alias needs the runtime form
 
 
 @dataclass
@@ -63,10 +99,22 @@ class ChainCosts:
     base: int = 0  # parameters + optimizer state + input batch + loss gradient
     state: int = 0  # optimizer state (part of base)
     optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
+    options: list[list[Option]] = field(default_factory=list)  # per block; [] = keep or not
 
     @property
     def n(self) -> int:
         return len(self.saved)
+
+    def menu(self, block: int) -> list[Option]:
+        """Block `block`'s op-level options besides keeping it whole (none when unprofiled)."""
+        return self.options[block] if block < len(self.options) else []
+
+    def option(self, block: int, name: str) -> Option:
+        for opt in self.menu(block):
+            if opt.name == name:
+                return opt
+        raise ConfigError(f"block {block} has no option {name!r} in these costs "
+                          f"(it has: {[o.name for o in self.menu(block)] or 'none'})")
 
     def grads_between(self, start: int, end: int) -> int:
         return sum(self.grad[start:end])
@@ -76,7 +124,9 @@ class ChainCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> ChainCosts:
-        return cls(**data)
+        menus = [[Option(**{**o, "saves": tuple(tuple(v) for v in o["saves"])}) for o in menu]
+                 for menu in data.get("options", [])]
+        return cls(**{**data, "options": menus})
 
 
 @dataclass(frozen=True)
@@ -151,6 +201,8 @@ class Plan:
 def _describe(item: Item) -> str:
     if isinstance(item, int):
         return str(item)
+    if isinstance(item, Selective):
+        return f"{item.block}{{{item.option}}}"
     inner = ",".join(_describe(i) for i in item.inner)
     return f"[{item.start}-{item.end - 1}]{{{inner}}}"
 
@@ -158,6 +210,9 @@ def _describe(item: Item) -> str:
 def _item_to_json(item: Item) -> int | dict:
     if isinstance(item, int):
         return item
+    if isinstance(item, Selective):
+        return {"block": item.block, "option": item.option,
+                "saves": [list(op) for op in item.saves], "ops": item.ops}
     return {"checkpoint": [item.start, item.end], "inner": [_item_to_json(i) for i in item.inner]}
 
 
@@ -168,6 +223,11 @@ def _item_from_json(data: int | dict, depth: int = 0) -> Item:
         raise TypeError(f"a plan item is a block index or a segment, got {data!r}"[:120])
     if isinstance(data, int):
         return data
+    if "option" in data:
+        if not isinstance(data["option"], str) or not isinstance(data.get("ops", ""), str):
+            raise TypeError("an option and its op fingerprint are strings")
+        saves = tuple((str(name), int(k)) for name, k in data.get("saves", []))
+        return Selective(int(data["block"]), data["option"], saves, data.get("ops", ""))
     start, end = data["checkpoint"]
     return Segment(int(start), int(end), tuple(_item_from_json(i, depth + 1)
                                                for i in data["inner"]))
@@ -180,9 +240,10 @@ def validate_items(items: tuple[Item, ...], start: int, end: int) -> None:
     """Items must cover `start..end-1` in order, each block once; segments likewise inside."""
     pos = start
     for item in items:
-        if isinstance(item, int):
-            if item != pos:
-                raise ConfigError(f"plan expects block {pos} next, found block {item}")
+        if isinstance(item, (int, Selective)):
+            block = item if isinstance(item, int) else item.block
+            if block != pos:
+                raise ConfigError(f"plan expects block {pos} next, found block {block}")
             pos += 1
         else:
             if item.start != pos or item.end <= item.start:
@@ -306,11 +367,12 @@ def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tup
     if not items:
         return 0, 0.0
     first, rest = items[0], items[1:]
-    if isinstance(first, int):
-        s = first
-        held, fwd, bwd = keep_terms(c, s, end, held_in)
-        m_rest, t_rest = need(rest, end, c.keeps_output[s], c)
-        return max(fwd, held + m_rest, bwd), c.fwd_time[s] + c.bwd_time[s] + t_rest
+    if isinstance(first, (int, Selective)):
+        s, opt = kept(first, c)
+        held, fwd, bwd = keep_terms(c, s, end, held_in, opt)
+        m_rest, t_rest = need(rest, end, opt.keeps_output if opt else c.keeps_output[s], c)
+        step = opt.fwd_time + opt.bwd_time if opt else c.fwd_time[s] + c.bwd_time[s]
+        return max(fwd, held + m_rest, bwd), step + t_rest
     s, k = first.start, first.end
     held, fwd, recompute_base = checkpoint_terms(c, s, k, end, held_in)
     m_rest, t_rest = need(rest, end, False, c)
@@ -319,14 +381,26 @@ def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tup
     return mem, sum(c.fwd_time[s:k]) + t_rest + t_in
 
 
-def keep_terms(c: ChainCosts, s: int, end: int, held_in: bool) -> tuple[int, int, int]:
-    """Block s run plainly, with `..end` to backpropagate: what it holds until its backward,
-    its forward peak and its backward peak (relative, as in `need`). The one place these
-    formulas live: the simulator (`need`) and the solver both call it."""
-    held = (c.saved[s] + (c.x[s] if c.keeps_input[s] and not held_in else 0)
-            + (c.x[s + 1] if c.keeps_output[s] else 0))
-    fwd = (0 if held_in else c.x[s]) + c.fwd_mem[s]
-    bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + c.bwd_mem[s]
+def kept(item: int | Selective, c: ChainCosts) -> tuple[int, Option | None]:
+    """A kept item's block and its option (None: the block run plainly)."""
+    if isinstance(item, int):
+        return item, None
+    return item.block, c.option(item.block, item.option)
+
+
+def keep_terms(c: ChainCosts, s: int, end: int, held_in: bool, opt: Option | None = None
+               ) -> tuple[int, int, int]:
+    """Block s run kept (plainly, or under option `opt`), with `..end` to backpropagate:
+    what it holds until its backward, its forward peak and its backward peak (relative, as
+    in `need`). The one place these formulas live: the simulator (`need`) and the solver
+    both call it."""
+    saved, ki, ko, fwd_mem, bwd_mem = ((opt.saved, opt.keeps_input, opt.keeps_output,
+                                        opt.fwd_mem, opt.bwd_mem) if opt else
+                                       (c.saved[s], c.keeps_input[s], c.keeps_output[s],
+                                        c.fwd_mem[s], c.bwd_mem[s]))
+    held = saved + (c.x[s] if ki and not held_in else 0) + (c.x[s + 1] if ko else 0)
+    fwd = (0 if held_in else c.x[s]) + fwd_mem
+    bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + bwd_mem
     return held, fwd, bwd
 
 
@@ -346,9 +420,10 @@ def held_bytes(plan: Plan, c: ChainCosts) -> int:
     boundaries, checkpointed segments' inputs (the terms of `need`)."""
     total, held_in = 0, True
     for item in plan.items:
-        if isinstance(item, int):
-            total += keep_terms(c, item, c.n, held_in)[0]
-            held_in = c.keeps_output[item]
+        if isinstance(item, (int, Selective)):
+            s, opt = kept(item, c)
+            total += keep_terms(c, s, c.n, held_in, opt)[0]
+            held_in = opt.keeps_output if opt else c.keeps_output[s]
         else:
             total += checkpoint_terms(c, item.start, item.end, c.n, held_in)[0]
             held_in = False

@@ -44,6 +44,7 @@ from rematlab.plans.plan import (
     Item,
     Plan,
     Segment,
+    Selective,
     keep_terms,
     need,
     step_peak,
@@ -52,7 +53,8 @@ from rematlab.plans.plan import (
 WORK = 100_000_000  # table cells a solve may read: about a second of numpy on this machine
 MAX_CELLS = 20_000_000  # table cells (sub-chains x levels): ~240 MB with the choices
 _INF = np.float32(np.inf)
-_KEEP = -1  # choice code: run the block kept (a checkpoint [s, k) is coded as k - s >= 1)
+_KEEP = -1  # choice code: run the block kept; -1 - j: under its option j (1-based); a
+# checkpointed segment [s, k) is coded as k - s >= 1
 
 
 @dataclass
@@ -116,11 +118,12 @@ class Solution:
         items: list[Item] = []
         while s < t:
             code = int(self.choice[h, self.ids[s, t], level])
-            if code == _KEEP:
-                held, _, _ = keep_terms(c, s, t, bool(h))
-                items.append(s)
+            if code <= _KEEP:
+                opt = c.menu(s)[_KEEP - code - 1] if code < _KEEP else None
+                held, _, _ = keep_terms(c, s, t, bool(h), opt)
+                items.append(Selective.of(s, opt) if opt else s)
                 level -= _nearest(held, u)
-                h, s = int(c.keeps_output[s]), s + 1
+                h, s = int(opt.keeps_output if opt else c.keeps_output[s]), s + 1
                 continue
             k = s + code
             outer = 0 if h else _nearest(c.x[s], u)
@@ -154,7 +157,8 @@ def _summed_terms(c: ChainCosts) -> list[int]:
     """The byte counts the DP adds up along a plan: what kept blocks hold (saved tensors,
     boundaries) and the gradients live during a recomputation. Transient peaks are only
     compared with a level, once, so they need no common unit."""
-    return [int(v) for v in (*c.x, *c.saved, *c.grad)]
+    return [int(v) for v in (*c.x, *c.saved, *c.grad,
+                             *(o.saved for i in range(c.n) for o in c.menu(i)))]
 
 
 def grid_unit(c: ChainCosts, levels: int) -> int:
@@ -187,7 +191,8 @@ def intern_subchains(c: ChainCosts, layers: bool) -> tuple[np.ndarray, np.ndarra
     kinds: dict[tuple, int] = {}
     kind = [kinds.setdefault((c.x[i], c.x[i + 1], c.saved[i], c.keeps_input[i],
                               c.keeps_output[i], c.fwd_mem[i], c.bwd_mem[i], c.grad[i],
-                              c.fwd_time[i], c.bwd_time[i], _alone(i, n, layers)), len(kinds))
+                              c.fwd_time[i], c.bwd_time[i], _alone(i, n, layers),
+                              tuple(c.menu(i))), len(kinds))
             for i in range(n)]
     ids = np.full((n + 1, n + 1), -1, dtype=np.int64)
     known: dict[tuple[int, int], int] = {}
@@ -259,12 +264,18 @@ class _Grid:
         sub = ids[s, t]
         ck_time, ck_code = self._checkpoints(s, t, ids)
         for h in (1, 0):
-            held, fwd, bwd = keep_terms(c, s, t, bool(h))
-            nxt = self.table[int(c.keeps_output[s]), ids[s + 1, t]]
-            best = _shifted(nxt, _nearest(held, u), self.top) + np.float32(
-                c.fwd_time[s] + c.bwd_time[s])
-            best[m < _units(max(fwd, bwd), u)] = _INF
+            best = np.full(m.size, _INF, dtype=np.float32)
             code = np.full(m.size, _KEEP, dtype=self.choice.dtype)
+            for j, opt in enumerate([None, *c.menu(s)]):
+                held, fwd, bwd = keep_terms(c, s, t, bool(h), opt)
+                ko, step = ((opt.keeps_output, opt.fwd_time + opt.bwd_time) if opt else
+                            (c.keeps_output[s], c.fwd_time[s] + c.bwd_time[s]))
+                cand = _shifted(self.table[int(ko), ids[s + 1, t]], _nearest(held, u),
+                                self.top) + np.float32(step)
+                cand[m < _units(max(fwd, bwd), u)] = _INF
+                better = cand < best
+                best = np.where(better, cand, best)
+                code = np.where(better, _KEEP - j, code)
             if ck_time is not None:
                 by = 0 if h else _nearest(c.x[s], u)
                 cand, cand_code = _shifted(ck_time, by, self.top), _shifted(ck_code, by,
