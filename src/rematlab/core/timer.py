@@ -160,3 +160,22 @@ class Timer:
             calls += len(runs)
             elapsed += spent
         return Sample(times=times, steps=calls, calibration=calibrated, measured_s=elapsed)
+
+
+def time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
+                repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of `block` on `x_in`, by the one timer
+    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
+    def work(clock: Clock) -> dict[str, float]:
+        clock.start()
+        out = block(x_in)
+        forward = clock.stop()
+        clock.start()
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+        backward = clock.stop()
+        return {"forward": forward, "backward": backward, "step": forward + backward}
+
+    timer = profile_timer(x_in.device)
+    timing = timer.run(work, repeats, warmup=1)
+    return timing.median(phase="forward"), timing.median(phase="backward")

@@ -175,9 +175,13 @@ def prepare(
     predict: bool = False,
     verify: bool = True,
     compile: bool = False,
+    ops: bool = False,
 ) -> Planning:
     """Profile and solve once (see `plan` for the arguments)."""
     check_batch(example_inputs)
+    if ops and (predict or compile):
+        raise ConfigError("op-level plans (ops=True) are measured eager: not with predict=True"
+                          " or compile=True")
     st = structure(model, example_inputs, blocks)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -192,14 +196,15 @@ def prepare(
                               " its layers are profiled on the device, not predicted")
         with compiling():
             costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
-                                   optimizer=optimizer, repeats=repeats, compile=compile)
+                                   optimizer=optimizer, repeats=repeats, compile=compile,
+                                   ops=ops)
         solution = solve(costs, layers=True)
     else:
         if not isinstance(batch, torch.Tensor):
             raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
                               "with several inputs")
         costs = profile_chain(st.blocks, batch, device=torch.device("meta") if predict else dev,
-                              optimizer=optimizer, repeats=repeats, compile=compile)
+                              optimizer=optimizer, repeats=repeats, compile=compile, ops=ops)
         solution = solve(costs)
     return Planning(model, st, batch, costs, solution, verify and not predict, compile, loss_fn)
 
@@ -220,7 +225,8 @@ def plan(
     (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans a chain from meta-device
     costs (FLOPs stand in for time) without running it; `verify=False` skips the
     measurement; `compile` plans for `torch.compile(apply(model, plan))` (chains and
-    models that run their own layer loop).
+    models that run their own layer loop); `ops` also offers each block op-level options
+    (save some ops' outputs, recompute the rest: `rematlab.remat.ops`), one per kept block.
     Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
     feasible budget.
     """

@@ -22,16 +22,16 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.probes import (
-    Clock,
     LiveTensorTracker,
     allocator_trace,
     rounded,
     storage_key,
 )
-from rematlab.core.steps import make_optimizer, preserved
-from rematlab.core.timer import profile_timer, watched
+from rematlab.core.steps import make_optimizer, preserved, unit_loss
+from rematlab.core.timer import time_block, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
+from rematlab.remat.ops import block_options
 from rematlab.remat.tracing import meta_copy
 
 
@@ -43,19 +43,24 @@ def profile_chain(
     repeats: int = 3,
     unit: int = 1,
     compile: bool = False,
+    ops: bool = False,
 ) -> ChainCosts:
     """Per-block costs at the example input's batch size (see module docstring); `unit`
-    rounds every allocation up to the allocator's block size (512 for CUDA predictions)."""
+    rounds every allocation up to the allocator's block size (512 for CUDA predictions).
+    With `ops`, each block also gets its menu of op-level options (`rematlab.remat.ops`)."""
     device = device or example_input.device
     meta = device.type == "meta"
     if meta and compile:
         raise ConfigError("compiled costs must be measured: they cannot be predicted on meta")
+    if ops and (meta or compile):
+        raise ConfigError("op-level options are measured eager: not predicted on meta, and "
+                          "not under torch.compile (plan whole blocks with compile=True)")
     run = [meta_copy(b) for b in blocks] if meta else blocks
     x = example_input.to(device)
     base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
-        "fwd_time", "bwd_time", "fwd_flops")}
+        "fwd_time", "bwd_time", "fwd_flops", "options")}
     params_bytes = 0
     watch = (contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
@@ -72,7 +77,12 @@ def profile_chain(
                         r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
                                                                  compile=True).items()
                                   if k in COMPILED_KEYS})
+                if ops:
+                    with preserved(block):
+                        r["options"] = block_options(block, block, x_in, r, repeats=repeats,
+                                                     unit=unit)
                 repeated.remember(block, [x_in], r)
+            r.setdefault("options", [])
             for key, value in r.items():
                 if key in fields:
                     fields[key].append(value)
@@ -161,12 +171,6 @@ def _saved_recorder(block: nn.Module, unit: int, exclude: frozenset = frozenset(
     return saved, pack
 
 
-def _unit_loss(out: torch.Tensor) -> torch.Tensor:
-    """sum(out * 1): its backward makes the output gradient inside autograd, which frees it
-    once consumed, as in a real step (a gradient passed in from outside would stay alive)."""
-    return (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
-
-
 def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
                   run: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   others: list[torch.Tensor] | None = None, compile: bool = False) -> dict:
@@ -208,7 +212,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
         out_bytes = rounded(out.element_size() * out.numel(), unit)
         if out.requires_grad:
-            loss = _unit_loss(out)  # `bwd_mem` is the peak above the output gradient
+            loss = unit_loss(out)  # `bwd_mem` is the peak above the output gradient
             del out  # autograd alone decides when the output dies, as in a real step
             before_bwd = tracker.live
             tracker.reset_peak()
@@ -219,7 +223,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         fwd_mem = max(fwd_mem, allocator.phases["forward"].transient)
         if "backward" in allocator.phases:
             bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
-    fwd_time, bwd_time = _time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
+    fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
     return {
         "x": rounded(x_in.element_size() * x_in.numel(), unit),
         "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
@@ -254,25 +258,6 @@ def compiling() -> Iterator[None]:
 def compiled(fn: Callable) -> Callable:
     """`torch.compile` with static shapes: a plan is made for one input shape."""
     return torch.compile(fn, dynamic=False)
-
-
-def _time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
-                repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of `block` on `x_in`, by the one timer
-    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
-    def work(clock: Clock) -> dict[str, float]:
-        clock.start()
-        out = block(x_in)
-        forward = clock.stop()
-        clock.start()
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
-        backward = clock.stop()
-        return {"forward": forward, "backward": backward, "step": forward + backward}
-
-    timer = profile_timer(x_in.device)
-    timing = timer.run(work, repeats, warmup=1)
-    return timing.median(phase="forward"), timing.median(phase="backward")
 
 
 def optimizer_memory(params: list[torch.Tensor], name: str | None, unit: int = 1

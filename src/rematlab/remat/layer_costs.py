@@ -21,6 +21,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts, none_plan
 from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
+from rematlab.remat.ops import block_options
 
 
 def _output_tensor(out: Any) -> torch.Tensor:
@@ -33,7 +34,7 @@ def _output_tensor(out: Any) -> torch.Tensor:
 
 def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
                    loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
-                   repeats: int = 1, compile: bool = False) -> ChainCosts:
+                   repeats: int = 1, compile: bool = False, ops: bool = False) -> ChainCosts:
     """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring),
     measured on the batch's device; with `compile`, each layer's costs are those of the layer
     compiled (what the model around it does is measured eager, and the plan's compiled step
@@ -42,7 +43,7 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
     device = next(tensors(batch)).device
     with watched("the layers' forward and backward times"):
         repeated = Repeats()
-        rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated)
+        rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated, ops)
                 for layer, host_call in zip(layers, calls, strict=True)]
         outer = outer_costs(model, batch, layers, loss_fn, repeats)
     x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
@@ -76,6 +77,7 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
         fwd_time=column("fwd_time", 0.0, 0.0),
         bwd_time=column("bwd_time", outside, 0.0),
         fwd_flops=column("fwd_flops", 0.0, 0.0),
+        options=[[], *(r.get("options", []) for r in rows), []],
         base=params + state + inputs + outer["output"],
         state=state,
         optimizer_peak=params + grads + state + transient + inputs,
@@ -83,7 +85,7 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
-                   repeats: int, compile: bool, repeated: Repeats) -> dict:
+                   repeats: int, compile: bool, repeated: Repeats, ops: bool) -> dict:
     """One layer's costs, profiled on the arguments it received in the real forward (or
     those of an identical layer profiled before it, `Repeats`)."""
     lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
@@ -100,6 +102,10 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
         with preserved(layer):
             row = profile_block(layer, x_in, repeats, run=run, others=lc.others(),
                                 compile=compile)
+        if ops:
+            with preserved(layer):
+                row["options"] = block_options(layer, run, x_in, row, others=lc.others(),
+                                               repeats=repeats)
         repeated.remember(layer, inputs, row)
     return dict(row)
 

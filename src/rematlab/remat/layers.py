@@ -45,8 +45,9 @@ from torch.utils.checkpoint import checkpoint
 from rematlab.core.batch import Batch, call, detached, first_float, tensors, to_device
 from rematlab.core.steps import preserved
 from rematlab.exceptions import ConfigError
-from rematlab.plans.plan import Plan
-from rematlab.remat.recompute import RecomputeStats, recompute_contexts
+from rematlab.plans.plan import Plan, Selective
+from rematlab.remat.ops import SavePolicy, refuse_compiled
+from rematlab.remat.recompute import RecomputeStats, recompute_contexts, selective_contexts
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
 # The runner of the planned forward running now, for layer frames torch.compile traces:
@@ -167,6 +168,10 @@ class LayerRemat:
         if not all(single_layer(s.start, s.end, plan.n_blocks) for s in plan.segments):
             raise ConfigError("a per-layer plan checkpoints single layers only "
                               f"(got {plan.describe()})")
+        if any(isinstance(it, Selective) and not 0 < it.block < plan.n_blocks - 1
+               for it in plan.items):
+            raise ConfigError("op-level options apply to the model's layers only "
+                              f"(got {plan.describe()})")
         self.blocks = layers
         self.plan = plan
         self.recompute = RecomputeStats()
@@ -175,9 +180,14 @@ class LayerRemat:
             _install(layer)
 
     def checkpoints(self, layer: nn.Module) -> bool:
-        """Whether the plan checkpoints `layer` (by identity: copies of a model have their
-        own layers, and their own runner)."""
-        return any(self.blocks[s.start - 1] is layer for s in self.plan.segments)
+        """Whether the plan checkpoints `layer`, whole or op by op (by identity: copies of a
+        model have their own layers, and their own runner)."""
+        return any(self.blocks[s.start - 1] is layer for s in self.plan.segments) or \
+            self._option(layer) is not None
+
+    def _option(self, layer: nn.Module) -> Selective | None:
+        return next((it for it in self.plan.items if isinstance(it, Selective)
+                     and self.blocks[it.block - 1] is layer), None)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -195,6 +205,14 @@ class LayerRemat:
         for hook in self.hooks:
             if hidden is not None:
                 hook(hidden)  # the layer's input stays alive for backward
+        option = self._option(layer)
+        if option is not None:
+            refuse_compiled(option)
+            policy = SavePolicy(option.saves, option.ops, f"layer {option.block - 1}")
+            out = checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                             context_fn=selective_contexts(self.recompute, [layer], policy))
+            policy.check()
+            return out
         if torch.compiler.is_compiling():  # dynamo rejects a custom context_fn
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False,

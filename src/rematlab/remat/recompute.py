@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.probes import Clock, WallClock
@@ -83,3 +84,25 @@ def recompute_contexts(stats: RecomputeStats, modules: list[nn.Module]
             yield
 
     return lambda: (contextlib.nullcontext(), recompute_context())
+
+
+def selective_contexts(stats: RecomputeStats, modules: list[nn.Module], policy: Callable
+                       ) -> Callable[[], tuple]:
+    """The `context_fn` of an op-level option: torch's selective checkpointing under
+    `policy` (which outputs are saved), with `recompute_contexts`' timing and BatchNorm
+    freezing around the recomputation."""
+    ours = recompute_contexts(stats, modules)
+
+    def contexts() -> tuple:
+        save, replay = create_selective_checkpoint_contexts(policy)
+        _, recompute = ours()
+        return save, _both(replay, recompute)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager
+          ) -> Iterator[None]:
+    with first, second:
+        yield

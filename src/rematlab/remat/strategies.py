@@ -28,11 +28,12 @@ from torch.utils.checkpoint import checkpoint
 
 from rematlab.exceptions import ConfigError
 from rematlab.plans import plan as plans
-from rematlab.plans.plan import ChainCosts, Item, Plan, Segment
+from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
-from rematlab.remat.recompute import RecomputeStats, recompute_contexts
+from rematlab.remat.ops import SavePolicy, refuse_compiled
+from rematlab.remat.recompute import RecomputeStats, recompute_contexts, selective_contexts
 from rematlab.remat.structure import Structure, structure
 
 MAX_SEGMENTS = 1_000_000  # beyond any chain: a larger count is a typo
@@ -138,6 +139,8 @@ class RematChain(nn.Module):
         for item in items:
             if isinstance(item, int):
                 x = self.blocks[item](x)
+            elif isinstance(item, Selective):
+                x = self._selective(item, x)
             elif torch.is_grad_enabled():
                 for hook in self.hooks:
                     hook(x)  # the segment's input stays alive for backward
@@ -154,6 +157,21 @@ class RematChain(nn.Module):
             return checkpoint(self._segment_fn(seg), x, use_reentrant=False)
         return checkpoint(self._segment_fn(seg), x, use_reentrant=False,
                           context_fn=self._contexts(seg))
+
+    def _selective(self, item: Selective, x: torch.Tensor) -> torch.Tensor:
+        """Block `item.block` kept under its op-level option: its listed ops' outputs saved,
+        the rest recomputed in backward (`rematlab.remat.ops`)."""
+        block = self.blocks[item.block]
+        if not torch.is_grad_enabled():
+            return block(x)
+        refuse_compiled(item)
+        for hook in self.hooks:
+            hook(x)  # the block's input stays alive for backward
+        policy = SavePolicy(item.saves, item.ops, f"block {item.block}")
+        out = checkpoint(block, x, use_reentrant=False,
+                         context_fn=selective_contexts(self.recompute, [block], policy))
+        policy.check()
+        return out
 
     def _segment_fn(self, seg: Segment) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: self._run(seg.inner, x)

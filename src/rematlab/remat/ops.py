@@ -1,0 +1,301 @@
+"""Inside a block: the aten ops of its forward, and which of their outputs to save.
+
+A block kept whole saves every tensor autograd needs; a block checkpointed whole saves only
+its input. Between the two, torch's selective activation checkpointing
+(`create_selective_checkpoint_contexts`) saves the outputs of chosen ops and recomputes the
+rest during backward. What is worth saving differs by orders of magnitude: a matmul is costly
+to run again, the pointwise ops around it are not, and their outputs are as large.
+
+`profile_ops` records a block's forward op by op under a dispatch mode: each op's name and
+occurrence, output bytes, whether autograd saves the output, whether it is a view, in place
+or random, its FLOPs and its time. `save_sets` turns that into a small menu of save sets: the
+named policies users know ("save matmuls", as torchtitan's op-level SAC; "recompute the
+attention core", as Megatron's selective recompute) and greedy ones that recompute the ops
+cheapest per byte first. `SavePolicy` applies one, counting occurrences in forward and in
+recompute alike, and refuses a plan made for another op sequence (`fingerprint`).
+
+Random ops are never saved: the recomputation replays the RNG from the region's start, and
+every random op must run again for the replayed stream to line up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.flop_counter import flop_registry
+
+from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
+from rematlab.core.steps import preserved, unit_loss
+from rematlab.core.timer import time_block
+from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import Option, Selective
+from rematlab.remat.recompute import RecomputeStats, selective_contexts
+
+SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default")
+MATMULS = frozenset(("aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+                     "aten.baddbmm.default", "aten.convolution.default", *SDPA))
+# Megatron's "attention core": scores, softmax, dropout and the product with the values
+ATTENTION_CORE = frozenset(("aten.bmm.default", "aten.baddbmm.default", "aten._softmax.default",
+                            "aten._safe_softmax.default", *SDPA))
+GREEDY_FRACTIONS = (0.5, 0.8)  # of the kept non-matmul bytes given back, cheapest first
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One aten op of a block's forward, in call order (`index`: its occurrence by name).
+    `inplace`: its output is written in place, by this op or a later one (a saved copy
+    would be stale: selective checkpointing refuses to cache it)."""
+
+    name: str
+    index: int
+    out_bytes: int
+    saved: bool
+    view: bool
+    inplace: bool
+    random: bool
+    flops: float
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fingerprint(names: list[str]) -> str:
+    """A short hash of an op sequence: a plan's options name ops by occurrence, so they are
+    only valid for the sequence they were made for."""
+    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op a forward runs: name, outputs, flags, FLOPs and seconds (the
+    device synchronised around it)."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        super().__init__()
+        self.sync = sync
+        self.rows: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        seconds = time.perf_counter() - t0
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        formula = flop_registry.get(func._overloadpacket)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+        self.rows.append((str(func), outs, func.is_view, func._schema.is_mutable,
+                          torch.Tag.nondeterministic_seeded in func.tags, flops, seconds))
+        return out
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
+                x_in: torch.Tensor, others: list[torch.Tensor] | None = None,
+                repeats: int = 3) -> list[OpCost]:
+    """`module`'s forward (`run(x_in)`) op by op (see module docstring). Saved outputs are
+    those autograd's saved-tensor hooks see, parameters, buffers and inputs excluded; times
+    are the median over `repeats` forwards (the module's state and RNG restored)."""
+    mine = {storage_key(t) for t in [*module.parameters(), *module.buffers(), x_in,
+                                     *(others or ())]}
+    saved: set[tuple[str, int]] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(storage_key(t))
+        return t
+
+    sync = _sync(x_in.device)
+    timings: list[list[float]] = []
+    rows: list[tuple] = []
+    for r in range(max(1, repeats)):
+        recorder = _Recorder(sync)
+        with preserved(module), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with recorder:
+                out = run(x_in)
+            del out
+        if r == 0:
+            rows = [(*row[:1], [(storage_key(t), rounded(t.untyped_storage().nbytes(), 1))
+                                for t in row[1]], *row[2:]) for row in recorder.rows]
+        timings.append([row[-1] for row in recorder.rows])
+    written = {key for row in rows if row[3] for key, _ in row[1]}
+    counts: Counter[str] = Counter()
+    ops = []
+    for i, (name, outs, view, inplace, random, flops, _) in enumerate(rows):
+        ops.append(OpCost(
+            name=name, index=counts[name],
+            out_bytes=sum(b for key, b in outs if key not in mine),
+            saved=any(key in saved and key not in mine for key, _ in outs),
+            view=view, inplace=inplace or any(key in written for key, _ in outs),
+            random=random, flops=flops,
+            seconds=statistics.median(t[i] for t in timings if len(t) == len(rows))))
+        counts[name] += 1
+    return ops
+
+
+def short(name: str) -> str:
+    """A readable op name: `aten.mm.default` -> `mm`, any fused attention -> `sdpa`."""
+    return "sdpa" if name in SDPA else name.split(".")[1].lstrip("_")
+
+
+def describe_saves(saves: tuple[tuple[str, int], ...]) -> str:
+    """`save mm×4, sdpa`: what an option keeps, counted by op (the four most frequent ops,
+    then how many more kinds)."""
+    counts = Counter(short(name) for name, _ in saves).most_common()
+    shown = ", ".join(f"{op}×{k}" if k > 1 else op for op, k in counts[:4])
+    return "save " + shown + (f" +{len(counts) - 4} more" if len(counts) > 4 else "")
+
+
+def save_sets(ops: list[OpCost]) -> list[tuple[tuple[str, int], ...]]:
+    """The menu's save sets, distinct, none equal to keeping what autograd keeps (the block
+    kept plainly) or empty (the block checkpointed whole):
+    - save matmuls: every matmul's output is kept, even one autograd does not keep (a
+      recomputed op then starts from it instead of running the matmul again), the rest is
+      recomputed (torchtitan's op-level policy);
+    - recompute the attention core: keep what autograd keeps and the matmuls, except the
+      scores, softmax and attention products (Megatron's selective recompute);
+    - between the two, greedy: the matmuls and the outputs autograd keeps that are dearest
+      to recompute per byte, until a fraction of those outputs' bytes is given back."""
+    cacheable = [o for o in ops if o.out_bytes > 0 and not (o.view or o.inplace or o.random)]
+    matmuls = {(o.name, o.index) for o in cacheable if o.name in MATMULS}
+    kept = [o for o in cacheable if o.saved and o.name not in MATMULS]
+    autograd = {(o.name, o.index) for o in cacheable if o.saved}
+    sets = [matmuls]
+    if any(o.name in ATTENTION_CORE for o in cacheable):
+        sets.append({(o.name, o.index) for o in cacheable if o.name not in ATTENTION_CORE
+                     and ((o.name, o.index) in matmuls or o.saved)})
+    dearest = sorted(kept, key=lambda o: o.seconds / o.out_bytes, reverse=True)
+    total = sum(o.out_bytes for o in kept)
+    for fraction in GREEDY_FRACTIONS:
+        chosen, held = set(matmuls), 0
+        for o in dearest:
+            if held + o.out_bytes > (1 - fraction) * total:
+                break
+            held += o.out_bytes
+            chosen.add((o.name, o.index))
+        sets.append(chosen)
+    order = {(o.name, o.index): i for i, o in enumerate(ops)}
+    out: list[tuple[tuple[str, int], ...]] = []
+    for chosen in sets:
+        ordered = tuple(sorted(chosen, key=order.__getitem__))
+        if chosen and chosen != autograd and ordered not in out:
+            out.append(ordered)
+    return out
+
+
+class SavePolicy:
+    """The `policy_fn` of `create_selective_checkpoint_contexts` for one option: the ops in
+    `saves` must be saved, every other op is recomputed. Occurrences are counted separately
+    in the forward and in its recomputation; the forward's op sequence is kept so that
+    `check` can refuse a plan made for other code."""
+
+    def __init__(self, saves: tuple[tuple[str, int], ...], ops: str, where: str) -> None:
+        self.saves = frozenset(saves)
+        self.ops = ops
+        self.where = where
+        self.seen: list[str] = []
+        self._counts: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        name = str(func)
+        counts = self._counts[ctx.is_recompute]
+        key = (name, counts[name])
+        counts[name] += 1
+        if not ctx.is_recompute:
+            self.seen.append(name)
+        return (CheckpointPolicy.MUST_SAVE if key in self.saves
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def check(self) -> None:
+        """Refuse the plan when this forward ran other ops than the option was made for."""
+        if self.ops and self.seen and fingerprint(self.seen) != self.ops:
+            raise ConfigError(
+                f"the plan is stale: {self.where} ran {len(self.seen)} ops that do not match "
+                "the op sequence its option was made for (the model or its input changed); "
+                "plan again")
+
+
+def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
+                  x_in: torch.Tensor, plain: dict, others: list[torch.Tensor] | None = None,
+                  repeats: int = 3, unit: int = 1) -> list[Option]:
+    """The menu of `module`: each save set of `save_sets`, run under selective checkpointing
+    and measured like a plain block (`option_costs`); options that hold no less than the
+    block kept plainly (`plain`: its `profile_block` row) are dropped."""
+    ops = profile_ops(module, run, x_in, others, repeats)
+    names = [o.name for o in ops]
+    x, out = plain["x"], rounded(plain["out"].untyped_storage().nbytes(), unit)
+
+    def held(saved: int, keeps_input: bool, keeps_output: bool) -> int:
+        return saved + x * keeps_input + out * keeps_output
+
+    limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
+    menu = [option_costs(module, run, x_in, saves, names, others, repeats, unit)
+            for saves in save_sets(ops)]
+    return [o for o in menu if held(o.saved, o.keeps_input, o.keeps_output) < limit]
+
+
+def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
+                 x_in: torch.Tensor, saves: tuple[tuple[str, int], ...], names: list[str],
+                 others: list[torch.Tensor] | None = None, repeats: int = 3, unit: int = 1
+                 ) -> Option:
+    """One option's costs, measured: held bytes (besides the input, which the checkpoint
+    keeps, and the output, unless it is among the saved), the forward and backward peaks
+    under the live-tensor tracker, and median times by the one timer."""
+    ops = fingerprint(names)
+
+    def selective(x: torch.Tensor) -> torch.Tensor:
+        policy = SavePolicy(saves, ops, "profiling")
+        return checkpoint(run, x, use_reentrant=False,
+                          context_fn=selective_contexts(RecomputeStats(), [module], policy))
+
+    tracker = LiveTensorTracker(unit=unit)
+    tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
+    with preserved(module):
+        before = tracker.live
+        with tracker:
+            out = selective(x_in)
+        fwd_mem = tracker.peak - before
+        out_bytes = rounded(out.untyped_storage().nbytes(), unit)
+        alive = weakref.ref(out.untyped_storage())
+        loss = unit_loss(out)
+        del out
+        held = tracker.live - before
+        keeps_output = alive() is not None
+        tracker.reset_peak()
+        before_bwd = tracker.live
+        with tracker:
+            loss.backward()
+        bwd_mem = tracker.peak - before_bwd - out_bytes
+    fwd_time, bwd_time = time_block(selective, x_in, repeats) if repeats else (0.0, 0.0)
+    return Option(name=describe_saves(saves), saves=saves,
+                  saved=max(0, held - (out_bytes if keeps_output else 0)), keeps_input=True,
+                  keeps_output=keeps_output, fwd_mem=fwd_mem, bwd_mem=max(0, bwd_mem),
+                  fwd_time=fwd_time, bwd_time=bwd_time, ops=ops)
+
+
+def refuse_compiled(item: Selective) -> None:
+    """Op-level options run eager: under torch.compile a clear error, not a silent plain run
+    (compiled plans are whole-block plans, `plan(..., compile=True)`)."""
+    if torch.compiler.is_compiling():
+        raise ConfigError(f"block {item.block} runs an op-level option ({item.option}), which "
+                          "does not run under torch.compile; plan with compile=True for a "
+                          "whole-block plan of the compiled model")
