@@ -96,13 +96,15 @@ def selective_contexts(stats: RecomputeStats, modules: list[nn.Module], policy: 
     def contexts() -> tuple:
         save, replay = create_selective_checkpoint_contexts(policy)
         _, recompute = ours()
-        return save, _both(replay, recompute)
+        return save, _around(recompute, replay)
 
     return contexts
 
 
 @contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager
-          ) -> Iterator[None]:
-    with first, second:
+def _around(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager
+            ) -> Iterator[None]:
+    """`inner` (selective checkpointing's replay) inside `outer`: the replay must see the
+    forward's ops and no others, such as BatchNorm's counter read by `frozen_batchnorm`."""
+    with outer, inner:
         yield

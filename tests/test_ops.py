@@ -1,0 +1,102 @@
+"""Op-level plans (issue 27): blocks kept under an option that saves some ops' outputs and
+recomputes the rest. Exact gradients with dropout replayed and BatchNorm updated once,
+budgets under torch's MemTracker, and plans for other code refused."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import rematlab
+from rematlab.core.batch import call
+from rematlab.core.steps import default_loss
+from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import Plan, Selective
+from rematlab.plans.solver import solve
+from rematlab.remat.layers import remat_of
+from rematlab.remat.ops import describe_saves, profile_ops, save_sets
+from tests import realzoo
+from tests.meters import own_loop_peak
+from tests.test_real_models import _double, _grads
+
+
+def _every_option(planning: rematlab.Planning) -> Plan:
+    """Every block with a menu kept under one of its options, the options taken in turn."""
+    c = planning.costs
+    return Plan(c.n, tuple(Selective.of(i, c.menu(i)[i % len(c.menu(i))]) if c.menu(i) else i
+                           for i in range(c.n)))
+
+
+def _selective(plan: Plan) -> list[Selective]:
+    return [it for it in plan.items if isinstance(it, Selective)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_float64_gradients_and_buffers_equal_the_plain_model_under_op_level_plans(name):
+    model, batch = realzoo.MODELS[name]()
+    model, batch = model.double().train(), _double(batch)
+    plan = _every_option(rematlab.prepare(model, batch, optimizer=None, ops=True))
+    assert len(_selective(plan)) >= 2
+    remat = rematlab.apply(model, plan, example_input=batch)
+    buffers = [b.clone() for b in model.buffers()]
+    want = _grads(model, batch)  # dropout masks seeded alike for both runs
+    after_plain = [b.clone() for b in model.buffers()]
+    for b, saved in zip(model.buffers(), buffers, strict=True):
+        b.copy_(saved)
+    got = _grads(remat, batch)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b) or (a - b).abs().max().item() <= 1e-12
+    for a, b in zip(after_plain, model.buffers(), strict=True):
+        assert torch.equal(a, b)  # running statistics updated once, not again in recompute
+    assert remat_of(remat).recompute.segments >= len(_selective(plan))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_op_level_plans_keep_their_budget_under_torchs_memtracker(name):
+    """Options are given their block's plain times, so that the choice goes by memory alone
+    and takes them (on this CPU, tiny layers pay more for the dispatch mode than they save):
+    the budget must hold whatever the times."""
+    model, batch = realzoo.MODELS[name](batch=8)
+    model.train()
+    planning = rematlab.prepare(model, batch, ops=True)
+    c = planning.costs
+    c.options = [[replace(o, fwd_time=c.fwd_time[i], bwd_time=c.bwd_time[i]) for o in c.menu(i)]
+                 for i in range(c.n)]
+    planning.solution = solve(c, layers=planning.structure.kind == "layers")
+    full = planning.choose("100GiB").measured_peak
+    for fraction in (0.5, 0.3, 0.7, 0.15):
+        budget = int(planning.floor + fraction * (full - planning.floor))
+        plan = planning.choose(budget)
+        if _selective(plan):
+            break
+    assert _selective(plan), "some budget takes an op-level option"
+    assert plan.measured_peak <= budget
+    remat = rematlab.apply(model, plan, example_input=batch)
+    assert own_loop_peak(remat, batch) <= budget
+
+
+def test_a_plan_made_for_other_code_is_refused_and_the_right_code_runs_it():
+    model, batch = realzoo.gpt2()
+    plan = Plan.from_json(_every_option(rematlab.prepare(model, batch, ops=True)).to_json())
+    assert _selective(plan) and all(it.saves and it.ops for it in _selective(plan))
+    loss = default_loss(call(rematlab.apply(model, plan), batch), batch)
+    loss.backward()
+    cfg = GPT2Config(**{**model.config.to_dict(), "activation_function": "relu"})
+    other = GPT2LMHeadModel(cfg).train()  # same shapes and parameters, other ops
+    with pytest.raises(ConfigError, match="plan is stale: layer 0 ran"):
+        call(rematlab.apply(other, plan), batch)
+
+
+def test_menus_name_the_policies_users_know_and_never_save_random_or_mutated_outputs():
+    model, _ = realzoo.gpt2(layers=1)
+    layer = model.transformer.h[0].train()
+    x = torch.randn(4, 32, 64, requires_grad=True).clone()
+    ops = profile_ops(layer, layer, x, repeats=1)
+    assert {o.name for o in ops if o.random} == {"aten.bernoulli_.float"}  # dropout masks
+    sets = save_sets(ops)
+    names = [describe_saves(s) for s in sets]
+    assert names[0] == "save addmm×4, bmm×2"  # torchtitan's "save matmuls"
+    assert "softmax" not in names[1] and "bmm" not in names[1]  # Megatron's attention core
+    bad = {(o.name, o.index) for o in ops if o.random or o.inplace or o.view}
+    assert bad and not any(bad & set(s) for s in sets)
