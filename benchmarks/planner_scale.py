@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,7 +31,8 @@ from torch import nn
 
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import Planning
-from rematlab.plans.plan import ChainCosts, none_plan, simulate
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import ChainCosts, simulate
 from rematlab.plans.solver import Solution, solve
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.structure import structure
@@ -123,6 +126,33 @@ def _accuracy(costs: ChainCosts, solution: Solution) -> str:
             f"0.995 B: +{worst:.3%} worst")
 
 
+def deep_decoder(layers: int = 80) -> str:
+    """The DP on the per-layer chain of an `layers`-layer decoder whose every layer has an
+    op-level menu: one Llama-style layer (width 256, 8 x 256 tokens) profiled with its menu
+    on this CPU, its costs repeated `layers` times between the real embedding and head."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rematlab.planning.planner import prepare
+    from tests import realzoo
+
+    model, batch = realzoo.llama(batch=8, seq=256, layers=2, width=256)
+    c = prepare(model.train(), batch, ops=True).costs
+    middle = list(range(1, c.n - 1))
+    pick = [0, *([middle[0]] * layers), c.n - 1]
+
+    def column(values: list) -> list:
+        return [values[i] for i in pick]
+
+    deep = ChainCosts(**{**{k: column(getattr(c, k)) for k in (
+        "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad", "fwd_time",
+        "bwd_time", "fwd_flops", "options")}, "x": [*column(c.x[:-1]), c.x[-1]],
+        "base": c.base, "state": c.state, "optimizer_peak": c.optimizer_peak})
+    took, solution = _seconds(lambda: solve(deep, layers=True))
+    t_front, front = _seconds(lambda: solution.frontier)
+    options = len(deep.menu(1))
+    return (f"| {layers} | {options} + keep + checkpoint | {int(solution.ids.max())} | "
+            f"{solution.levels} | {took:.2f} | {t_front:.2f} | {len(front)} |")
+
+
 def section() -> str:
     """The markdown section: both tables, printed row by row as they are measured."""
     torch.set_num_threads(2)
@@ -149,4 +179,10 @@ def section() -> str:
     for n in HETEROGENEOUS:
         lines.append(heterogeneous_row(n))
         print(lines[-1], flush=True)
+    lines += ["", "The DP and frontier of a deep decoder's per-layer chain, every layer with "
+              "its op-level menu (`deep_decoder`: one measured layer's costs repeated; the "
+              "issue's pre-flight version, on the meta device, waits for issue 28):", "",
+              "| layers | choices per layer | distinct sub-chains | levels | DP | frontier | "
+              "frontier plans |", "|---" * 7 + "|", deep_decoder()]
+    print(lines[-1], flush=True)
     return "\n".join(lines) + "\n"

@@ -30,7 +30,8 @@ from rematlab.core.timer import Timer, Turns
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import prepare
-from rematlab.plans.plan import Plan, uniform_plan
+from rematlab.plans.fixed import uniform_plan
+from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import apply
 from tests import realzoo
 

@@ -17,18 +17,19 @@ from transformers import (
 )
 
 
-def gpt2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
-    cfg = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=97,
+def gpt2(batch: int = 4, seq: int = 32, layers: int = 4, width: int = 64
+         ) -> tuple[nn.Module, dict]:
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=97,
                      n_positions=max(64, seq),
                      bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     ids = torch.randint(0, 97, (batch, seq))
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
-def _causal_lm(config_cls: type, model_cls: type, batch: int, seq: int, layers: int
-               ) -> tuple[nn.Module, dict]:
+def _causal_lm(config_cls: type, model_cls: type, batch: int, seq: int, layers: int,
+               width: int = 64) -> tuple[nn.Module, dict]:
     """A decoder with grouped-query attention (Qwen2, Llama) from a small config."""
-    cfg = config_cls(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+    cfg = config_cls(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
                      max_position_embeddings=max(64, seq), attn_implementation="eager")
     ids = torch.randint(0, 97, (batch, seq))
@@ -39,13 +40,15 @@ def qwen2(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, di
     return _causal_lm(Qwen2Config, Qwen2ForCausalLM, batch, seq, layers)
 
 
-def llama(batch: int = 4, seq: int = 32, layers: int = 2) -> tuple[nn.Module, dict]:
-    return _causal_lm(LlamaConfig, LlamaForCausalLM, batch, seq, layers)
+def llama(batch: int = 4, seq: int = 32, layers: int = 2, width: int = 64
+          ) -> tuple[nn.Module, dict]:
+    return _causal_lm(LlamaConfig, LlamaForCausalLM, batch, seq, layers, width)
 
 
-def bert(batch: int = 4, seq: int = 32, layers: int = 4) -> tuple[nn.Module, dict]:
-    cfg = BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
-                     intermediate_size=128, vocab_size=97,
+def bert(batch: int = 4, seq: int = 32, layers: int = 4, width: int = 64
+         ) -> tuple[nn.Module, dict]:
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=4,
+                     intermediate_size=2 * width, vocab_size=97,
                      max_position_embeddings=max(64, seq),
                      num_labels=3, pad_token_id=0, attn_implementation="eager")
     ids = torch.randint(1, 97, (batch, seq))

@@ -113,6 +113,24 @@ def test_plan_and_measure_a_transformers_model_from_the_current_directory(tmp_pa
     assert json.loads(proc.stdout)["outcome"] == "ok"
 
 
+def test_an_op_level_plan_from_the_cli_runs_in_measure(tmp_path):
+    (tmp_path / "mymodels.py").write_text(MODELS_PY)
+    proc = _cli(["plan", "--model", "mymodels:gpt2", "--example", "mymodels:batch", "--batch",
+                 "4", "--budget", "1GiB", "--ops", "--json", "--out", "plan.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["measured_peak"] <= data["budget"]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    layer = plan["items"][1] if isinstance(plan["items"][1], int) else plan["items"][1]["block"]
+    plan["items"][1] = {"block": layer, "option": "save addmm×4, bmm×2",
+                        "saves": [["aten.addmm.default", 0]], "ops": "not these ops"}
+    (tmp_path / "stale.json").write_text(json.dumps(plan))
+    proc = _cli(["measure", "--model", "mymodels:gpt2", "--input-shape", "16", "--input-dtype",
+                 "int64", "--vocab", "64", "--batch", "4", "--strategy", "plan:stale.json",
+                 "--blocks", "transformer.h", "--repeats", "1", "--json"], tmp_path)
+    assert "plan is stale: layer 0 ran" in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--example", "mymodels:broken"], "example factory 'mymodels:broken' failed"),
     (["--example", "mymodels:nothing"], "cannot load example factory"),

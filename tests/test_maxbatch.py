@@ -17,7 +17,8 @@ from rematlab.planning.bisect import confirmed, largest
 from rematlab.planning.budget import DeviceBudget
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.verify import step_peak
-from rematlab.plans.plan import none_plan, simulate
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import simulate
 from tests import clirun, realzoo, userzoo
 
 MIB = 2**20
@@ -191,3 +192,21 @@ def test_running_out_of_memory_while_searching_is_a_result_not_a_crash(monkeypat
                       cases=("optimal",))
     fit = found.fit("optimal")
     assert fit.batch == 99 and fit.over is None  # 100 could not run: the largest that can
+
+
+def test_interpolated_costs_keep_the_op_level_options_both_batches_offer():
+    from dataclasses import replace
+
+    from rematlab.planning.bisect import scaled
+    from tests.test_solver import random_costs, with_menus
+
+    low = with_menus(random_costs(4, 3), 3)
+    high = replace(low, saved=[2 * v for v in low.saved],
+                   options=[[replace(o, saved=2 * o.saved, fwd_time=2 * o.fwd_time)
+                             for o in menu[:1]] for menu in low.options])
+    mid = scaled(low, 8, high, 16, 12)
+    for i in range(low.n):
+        assert [o.name for o in mid.menu(i)] == [low.menu(i)[0].name]
+        assert mid.menu(i)[0].saved == round(1.5 * low.menu(i)[0].saved)
+        assert mid.menu(i)[0].fwd_time == pytest.approx(1.5 * low.menu(i)[0].fwd_time)
+        assert mid.menu(i)[0].saves == low.menu(i)[0].saves

@@ -9,16 +9,8 @@ from functools import cache
 import pytest
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.plans.plan import (
-    ChainCosts,
-    Option,
-    Plan,
-    Segment,
-    Selective,
-    need,
-    simulate,
-    uniform_plan,
-)
+from rematlab.plans.fixed import uniform_plan
+from rematlab.plans.plan import ChainCosts, Option, Plan, Segment, Selective, need, simulate
 from rematlab.plans.solver import solve
 
 

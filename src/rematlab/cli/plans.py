@@ -110,6 +110,9 @@ def plan_cmd(
     predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
     compile: Annotated[bool, typer.Option(
         "--compile", help="plan for torch.compile(apply(model, plan)): compiled costs")] = False,
+    ops: Annotated[bool, typer.Option(
+        "--ops", help="also offer op-level options per block: save some ops' outputs "
+        "(matmuls, ...), recompute the rest")] = False,
     out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
@@ -122,6 +125,8 @@ def plan_cmd(
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
+    if ops and (compile or predict):
+        raise ConfigError("--ops plans are measured eager: not with --predict or --compile")
     wanted = _budget_list(budget, budgets)
     if out is not None and len(wanted) > 1:
         raise ConfigError("--out writes one plan: give one --budget")
@@ -130,7 +135,8 @@ def plan_cmd(
     x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
                      device=dev)
     planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
-                       else optimizer, blocks=blocks or None, predict=predict, compile=compile)
+                       else optimizer, blocks=blocks or None, predict=predict, compile=compile,
+                       ops=ops)
     summaries = [_plan_summary(planning, b) for b in wanted]
     if out is not None:
         write_text(out, json.dumps(summaries[0]["plan_json"]))

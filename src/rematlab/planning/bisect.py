@@ -4,10 +4,10 @@ the bisections that find, then confirm by measurement, the largest batch that fi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
-from rematlab.plans.plan import ChainCosts
+from rematlab.plans.plan import ChainCosts, Option
 
 
 def scaled(low: ChainCosts, b_low: int, high: ChainCosts, b_high: int, batch: int
@@ -17,15 +17,27 @@ def scaled(low: ChainCosts, b_low: int, high: ChainCosts, b_high: int, batch: in
     w = (batch - b_low) / (b_high - b_low)
 
     def at(a: Any, b: Any) -> Any:
-        if isinstance(a, bool):
+        if isinstance(a, (bool, str, tuple)):
             return b
+        if isinstance(a, Option):
+            return replace(b, **{f.name: at(getattr(a, f.name), getattr(b, f.name))
+                                 for f in fields(Option)})
         if isinstance(a, list):
             return [at(x, y) for x, y in zip(a, b, strict=True)]
         value = max(0.0, a + (b - a) * w)
         return round(value) if isinstance(a, int) else value
 
+    low, high = _common_menus(low, high), _common_menus(high, low)
     return ChainCosts(**{f.name: at(getattr(low, f.name), getattr(high, f.name))
                          for f in fields(ChainCosts)})
+
+
+def _common_menus(costs: ChainCosts, other: ChainCosts) -> ChainCosts:
+    """`costs` with each block's menu cut to the options `other` also has (by name): an
+    option that pays at one batch size may not at another."""
+    names = [{o.name for o in other.menu(i)} for i in range(other.n)]
+    return replace(costs, options=[[o for o in costs.menu(i) if o.name in names[i]]
+                                   for i in range(costs.n)] if costs.options else [])
 
 
 def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:

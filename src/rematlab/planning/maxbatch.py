@@ -48,7 +48,8 @@ from rematlab.planning.bisect import confirmed, largest, scaled
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.planner import Planning, prepare, resident
 from rematlab.planning.verify import step_peak
-from rematlab.plans.plan import ChainCosts, Plan, none_plan, simulate
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import ChainCosts, Plan, simulate
 from rematlab.plans.solver import solve
 from rematlab.remat.strategies import apply
 
@@ -134,9 +135,9 @@ class _Searcher:
 
     def __init__(self, model: nn.Module, make: Callable[[int], Batch], start: int, limit: int,
                  budget: str | int, optimizer: str | None, blocks: Any,
-                 loss_fn: LossFn | None) -> None:
+                 loss_fn: LossFn | None, ops: bool = False) -> None:
         self.model, self.make, self.start, self.limit = model, make, start, limit
-        self.optimizer, self.blocks, self.loss_fn = optimizer, blocks, loss_fn
+        self.optimizer, self.blocks, self.loss_fn, self.ops = optimizer, blocks, loss_fn, ops
         self.device = next(tensors(make(1))).device
         self.budget = resolve_budget(budget, self.device, resident(model))  # batches come later
         self.plannings: dict[int, Planning] = {}
@@ -148,7 +149,8 @@ class _Searcher:
         self.evidence: Evidence | None = None
 
     def _kw(self) -> dict:
-        return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn}
+        return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn,
+                "ops": self.ops}
 
     def planning(self, batch: int) -> Planning:
         """The model profiled and solved at `batch` on the device, cached without its batch:
@@ -350,6 +352,7 @@ def max_batch(
     limit: int = MAX_BATCH,
     warmup: int = 2,
     repeats: int = 5,
+    ops: bool = False,
 ) -> BatchSearch:
     """The largest batch whose training step fits `budget` (bytes, '8GiB' or 'auto'), for
     each of `cases` ('none': the model as it is; 'optimal': the fastest plan within the budget
@@ -357,8 +360,9 @@ def max_batch(
 
     `example` is a batch of any form (its tensors are resized along their first dimension) or
     a factory `size -> batch`; the cost model is profiled at `start` (default: the example's
-    batch size, or 8 for a factory) and twice it. The other keywords are `rematlab.plan`'s;
-    `repeats=0` skips the timing."""
+    batch size, or 8 for a factory) and twice it. The other keywords are `rematlab.plan`'s
+    (`ops`: op-level options, kept where both profiled batches offer them); `repeats=0`
+    skips the timing."""
     budget = checked(budget)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"max_batch() needs an nn.Module, got {type(model).__name__}")
@@ -378,7 +382,7 @@ def max_batch(
         raise ConfigError(f"start must be at least 2 (profiled with twice it), got {start}")
     t0 = time.perf_counter()
     searcher = _Searcher(model, make, min(start, limit), limit, budget, optimizer, blocks,
-                         loss_fn)
+                         loss_fn, ops)
     found = [searcher.find(case) for case in cases]
     t1 = time.perf_counter()
     if repeats:

@@ -28,13 +28,8 @@ from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
-from rematlab.plans.plan import (
-    ChainCosts,
-    Plan,
-    none_plan,
-    overhead,
-    simulate,
-)
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
 from rematlab.plans.solver import Solution, solve
 from rematlab.remat.chain import compiling, profile_chain
 from rematlab.remat.layer_costs import profile_layers
@@ -260,7 +255,7 @@ class AutoRemat(nn.Module):
 
     def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
                  blocks: list[nn.Module] | str | list[str] | None = None,
-                 loss_fn: LossFn | None = None, predict: bool = False,
+                 loss_fn: LossFn | None = None, predict: bool = False, ops: bool = False,
                  recheck_s: float = 10.0) -> None:
         super().__init__()
         self.model = model
@@ -268,6 +263,7 @@ class AutoRemat(nn.Module):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.predict = predict
+        self.ops = ops
         self.recheck_s = recheck_s
         self._blocks = blocks
         self.plans: dict[tuple, nn.Module] = {}
@@ -308,7 +304,8 @@ class AutoRemat(nn.Module):
 
     def _plan(self, key: tuple, batch: Any, reason: str) -> None:
         planning = prepare(self.model, detached(batch), optimizer=self.optimizer,
-                           blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict)
+                           blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict,
+                           ops=self.ops)
         # after a training call the user's optimizer holds its state: resident, as the
         # parameters are (CPU; on CUDA the process's held memory already counts it)
         state = planning.costs.state if self._stepped else 0

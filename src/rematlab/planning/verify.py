@@ -12,18 +12,15 @@ from torch import nn
 from rematlab.core.batch import tensors
 from rematlab.core.probes import StepMemory, one_phase, peak_of
 from rematlab.core.steps import LossFn, preserved, step
-from rematlab.plans.plan import (
-    ChainCosts,
-    Plan,
+from rematlab.plans.fixed import (
     every_layer_plan,
     none_plan,
-    overhead,
     selective_per_layer,
     selective_plan,
-    simulate,
     sqrt_plan,
     uniform_plan,
 )
+from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
 from rematlab.remat.chain import compiled, compiling
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.strategies import RematChain

@@ -24,9 +24,8 @@ factor that fine (they usually share a large power of two), and the DP is then e
 level. Otherwise rounding errors of both signs partly cancel: on random heterogeneous chains
 (tests/test_solver.py; 25-50 blocks in docs/benchmarks/planner.md) the plan for budget B is
 within 0.5 % of the time of the exact optimum for 0.995 B, and the floor within 0.5 % of the
-exact floor. The
-frontier's peaks and times are the simulator's exact figures either way, so a budget is never
-broken by rounding.
+exact floor. The frontier's peaks and times are the simulator's exact figures either way, so
+a budget is never broken by rounding.
 """
 
 from __future__ import annotations

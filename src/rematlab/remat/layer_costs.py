@@ -18,7 +18,8 @@ from rematlab.core.probes import LiveTensorTracker
 from rematlab.core.steps import LossFn, default_loss, preserved, train_step
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
-from rematlab.plans.plan import ChainCosts, none_plan
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import ChainCosts
 from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import block_options

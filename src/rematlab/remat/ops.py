@@ -26,7 +26,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ MATMULS = frozenset(("aten.mm.default", "aten.addmm.default", "aten.bmm.default"
 # Megatron's "attention core": scores, softmax, dropout and the product with the values
 ATTENTION_CORE = frozenset(("aten.bmm.default", "aten.baddbmm.default", "aten._softmax.default",
                             "aten._safe_softmax.default", *SDPA))
+OPTION_REPEATS = 3  # an option's times decide against whole-block checkpointing: not one run
 GREEDY_FRACTIONS = (0.5, 0.8)  # of the kept non-matmul bytes given back, cheapest first
 
 
@@ -248,9 +249,13 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
         return saved + x * keeps_input + out * keeps_output
 
     limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
-    menu = [option_costs(module, run, x_in, saves, names, others, repeats, unit)
-            for saves in save_sets(ops)]
-    return [o for o in menu if held(o.saved, o.keeps_input, o.keeps_output) < limit]
+    menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
+                         unit) for saves in save_sets(ops)]
+    # an option runs the same forward and more in backward: never faster than the block kept
+    # plainly, whatever one short timing says (noise would otherwise buy memory for nothing)
+    return [replace(o, fwd_time=max(o.fwd_time, plain["fwd_time"]),
+                    bwd_time=max(o.bwd_time, plain["bwd_time"]))
+            for o in menu if held(o.saved, o.keeps_input, o.keeps_output) < limit]
 
 
 def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rematlab.exceptions import ConfigError
-from rematlab.plans import plan as plans
+from rematlab.plans import fixed as plans
 from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers

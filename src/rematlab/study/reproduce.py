@@ -248,7 +248,8 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     from rematlab.measurement.measure import measure
     from rematlab.measurement.spec import Spec
     from rematlab.planning.planner import prepare
-    from rematlab.plans.plan import none_plan, overhead, simulate
+    from rematlab.plans.fixed import none_plan
+    from rematlab.plans.plan import overhead, simulate
 
     device = torch.device(grid.devices[0])
     rows = []
