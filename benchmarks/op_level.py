@@ -40,7 +40,7 @@ FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 def _models() -> dict:
     def vgg16():
         net, shape, _ = zoo.resolve("vgg16", "cifar")
-        return net, torch.randn(32, *shape)
+        return net, torch.randn(16, *shape)
 
     return {"gpt2": lambda: realzoo.gpt2(batch=8, seq=256, layers=6, width=256),
             "bert": lambda: realzoo.bert(batch=8, seq=256, layers=6, width=256),

@@ -251,11 +251,18 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
     limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
     menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
                          unit) for saves in save_sets(ops)]
-    # an option runs the same forward and more in backward: never faster than the block kept
-    # plainly, whatever one short timing says (noise would otherwise buy memory for nothing)
+    # an option runs the same forward, and in backward the block's backward plus the ops it
+    # recomputes: never less than that, whatever a short timing says (noise would otherwise
+    # buy memory for nothing)
     return [replace(o, fwd_time=max(o.fwd_time, plain["fwd_time"]),
-                    bwd_time=max(o.bwd_time, plain["bwd_time"]))
+                    bwd_time=max(o.bwd_time, plain["bwd_time"] + _recomputed(ops, o.saves)))
             for o in menu if held(o.saved, o.keeps_input, o.keeps_output) < limit]
+
+
+def _recomputed(ops: list[OpCost], saves: tuple[tuple[str, int], ...]) -> float:
+    """Seconds of the forward ops an option runs again in backward (those not saved)."""
+    kept = set(saves)
+    return sum(o.seconds for o in ops if (o.name, o.index) not in kept)
 
 
 def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
