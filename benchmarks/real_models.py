@@ -47,7 +47,11 @@ def _side_by_side(runs: dict, batch, model, rounds: int) -> tuple[dict[str, tupl
     """Median seconds per training step of each candidate over interleaved rounds, by the one
     timer (`rematlab.core.timer`, under the interference guard), and the relative spread
     (IQR / median). A candidate is a factory that readies the model (transformers' own
-    checkpointing is switched on the shared model), called when its turn comes, untimed."""
+    checkpointing is switched on the shared model), called when its turn comes, untimed; on
+    a transformers model, `none` switches it off, and it is off afterwards."""
+    hf = _hf_layers(model)
+    if hf:
+        runs = {**runs, "none": lambda: (model.activation_checkpointing_disable(), model)[1]}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = make_optimizer("momentum", model.parameters())
     ready = Turns(runs)  # readied again whenever another candidate ran in between
@@ -60,6 +64,8 @@ def _side_by_side(runs: dict, batch, model, rounds: int) -> tuple[dict[str, tupl
     timing = Timer(next(model.parameters()).device).run(
         {name: work(name) for name in runs}, rounds, warmup=1)
     model.load_state_dict(state)
+    if hf:
+        model.activation_checkpointing_disable()
     return {name: (timing.median(name), timing.iqr(name) / timing.median(name))
             for name in runs}, timing.evidence
 
@@ -120,11 +126,7 @@ def bench(name: str, rounds: int) -> tuple[list[str], list[str]]:
             if peak <= budget:
                 fitting.append(("every:1", peak))
                 runs["every:1"] = lambda: apply(model, "every:1", example_input=batch)
-        if _hf_layers(model):
-            runs["none"] = lambda: (model.activation_checkpointing_disable(), model)[1]
         got, evidence = _side_by_side(runs, batch, model, rounds)
-        if _hf_layers(model):
-            model.activation_checkpointing_disable()
         base = got["none"][0]
         best = min((got[f][0] / base, f, peak) for f, peak in fitting) if fitting else None
         sim_err = (chosen.predicted_peak - chosen.measured_peak) / chosen.measured_peak

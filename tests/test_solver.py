@@ -34,21 +34,22 @@ def random_costs(n: int, seed: int) -> ChainCosts:
 def all_plans(start: int, end: int, costs: ChainCosts | None = None) -> list[tuple]:
     """Every item sequence over blocks start..end-1, nested segments included (a segment may
     cover its whole range, but not be the only item of a segment of the same range), and
-    every kept block under each option of its menu in `costs`."""
+    every block kept at the top level under each option of its menu in `costs`."""
 
     @cache
-    def seqs(s: int, t: int, whole: bool) -> tuple[tuple, ...]:
+    def seqs(s: int, t: int, whole: bool, top: bool) -> tuple[tuple, ...]:
         if s == t:
             return ((),)
-        kept = [s, *(Selective.of(s, o) for o in (costs.menu(s) if costs else []))]
-        out = [(k, *rest) for k in kept for rest in seqs(s + 1, t, True)]
+        menu = costs.menu(s) if costs and top else []
+        kept = [s, *(Selective.of(s, o) for o in menu)]
+        out = [(k, *rest) for k in kept for rest in seqs(s + 1, t, True, top)]
         for k in range(s + 1, t + 1 if whole else t):
-            for inner in seqs(s, k, False):
+            for inner in seqs(s, k, False, False):
                 seg = Segment(s, k, inner)
-                out.extend((seg, *rest) for rest in seqs(k, t, True))
+                out.extend((seg, *rest) for rest in seqs(k, t, True, top))
         return tuple(out)
 
-    return list(seqs(start, end, True))
+    return list(seqs(start, end, True, True))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -216,3 +217,11 @@ def test_identical_blocks_share_sub_chains_and_keep_the_plans_of_distinct_ones()
     assert int(shared.ids.max()) < 4 * n < int(distinct.ids.max())
     assert ([(p.predicted_peak, round(p.predicted_time, 5)) for p in shared.frontier]
             == [(p.predicted_peak, round(p.predicted_time, 5)) for p in distinct.frontier])
+
+
+def test_an_option_inside_a_checkpointed_segment_is_refused():
+    costs = with_menus(random_costs(3, 0), 0)
+    option = Selective.of(1, costs.menu(1)[0])
+    assert Plan(3, (0, option, 2)).items[1] == option
+    with pytest.raises(ConfigError, match="inside a checkpointed segment"):
+        Plan(3, (Segment(0, 2, (0, option)), 2))

@@ -235,10 +235,17 @@ def _item_from_json(data: int | dict, depth: int = 0) -> Item:
 _MAX_DEPTH = 64  # a chain of n blocks nests at most n deep; deeper JSON is not a plan
 
 
-def validate_items(items: tuple[Item, ...], start: int, end: int) -> None:
-    """Items must cover `start..end-1` in order, each block once; segments likewise inside."""
+def validate_items(items: tuple[Item, ...], start: int, end: int, inside: bool = False
+                   ) -> None:
+    """Items must cover `start..end-1` in order, each block once; segments likewise inside,
+    where no block runs under an op-level option (its selective cache, made in the segment's
+    first forward, would live until backward beside the recomputation's)."""
     pos = start
     for item in items:
+        if isinstance(item, Selective) and inside:
+            raise ConfigError(f"block {item.block} runs an op-level option inside a "
+                              "checkpointed segment; options apply to blocks kept at the top "
+                              "level")
         if isinstance(item, (int, Selective)):
             block = item if isinstance(item, int) else item.block
             if block != pos:
@@ -248,7 +255,7 @@ def validate_items(items: tuple[Item, ...], start: int, end: int) -> None:
             if item.start != pos or item.end <= item.start:
                 raise ConfigError(
                     f"plan segment [{item.start}, {item.end}) does not start at {pos}")
-            validate_items(item.inner, item.start, item.end)
+            validate_items(item.inner, item.start, item.end, inside=True)
             pos = item.end
     if pos != end:
         raise ConfigError(f"plan covers blocks up to {pos - 1}, expected up to {end - 1}")

@@ -61,7 +61,8 @@ class Solution:
     """DP tables for one chain: pick a plan for any memory level without solving again.
 
     `ids[s, t]` is the interned sub-chain [s, t); `table[h, id, m]` the fastest time of that
-    sub-chain within m units (h: its input already held), `choice[h, id, m]` the decision."""
+    sub-chain within m units (h: its input already held), `choice[h, id, m]` the decision;
+    both with a leading mode (`_Grid`): the chain's top level, or inside a segment."""
 
     costs: ChainCosts
     unit: int
@@ -82,12 +83,12 @@ class Solution:
         holds a new plan; rounding makes neighbouring levels hold plans whose exact peaks
         interleave, so the front is filtered on the exact values."""
         c = self.costs
-        top = self.table[1, self.ids[0, c.n]]
+        top = self.table[-1, 1, self.ids[0, c.n]]
         finite = np.isfinite(top)
         improves = finite & np.concatenate(([True], top[1:] < top[:-1]))
         found: dict[tuple[Item, ...], tuple[int, float]] = {}
         for lvl in np.flatnonzero(improves):
-            items = self._build(1, 0, c.n, int(lvl))
+            items = self._build(self.table.shape[0] - 1, 1, 0, c.n, int(lvl))
             if items not in found:
                 mem, time = need(items, c.n, True, c)
                 found[items] = (step_peak(c, mem), time)
@@ -110,13 +111,14 @@ class Solution:
             raise infeasible(budget, self.min_peak)
         return replace(fits[-1], name=name, budget=budget)
 
-    def _build(self, h: int, s: int, t: int, level: int) -> tuple[Item, ...]:
-        """The items the table chose for [s, t) at `level`, replaying the DP's unit
-        arithmetic (`_Grid`) so that every step lands on the level the DP read."""
+    def _build(self, mode: int, h: int, s: int, t: int, level: int) -> tuple[Item, ...]:
+        """The items the table chose for [s, t) at `level` (`mode` 0: inside a checkpointed
+        segment), replaying the DP's unit arithmetic (`_Grid`) so that every step lands on
+        the level the DP read."""
         c, u = self.costs, self.unit
         items: list[Item] = []
         while s < t:
-            code = int(self.choice[h, self.ids[s, t], level])
+            code = int(self.choice[mode, h, self.ids[s, t], level])
             if code <= _KEEP:
                 opt = c.menu(s)[_KEEP - code - 1] if code < _KEEP else None
                 held, _, _ = keep_terms(c, s, t, bool(h), opt)
@@ -127,7 +129,7 @@ class Solution:
             k = s + code
             outer = 0 if h else _nearest(c.x[s], u)
             inner_level = min(self.levels, level - outer - _nearest(_inner_base(c, k, t), u))
-            items.append(Segment(s, k, self._build(1, s, k, inner_level)))
+            items.append(Segment(s, k, self._build(0, 1, s, k, inner_level)))
             level -= outer
             h, s = 0, k
         return tuple(items)
@@ -245,31 +247,40 @@ def solve(costs: ChainCosts, levels: int | None = None, unit: int | None = None,
 
 
 class _Grid:
-    """The DP tables and one sub-chain's update. Column `top + 1` of every table row is +inf:
-    a gather sends an infeasible level there instead of masking afterwards."""
+    """The DP tables and one sub-chain's update, `table[mode, h, id, level]`. Mode 1 is the
+    chain's top level, where a kept block may run under an op-level option; mode 0 is inside
+    a checkpointed segment, where it may not (a selective cache made in the segment's first
+    forward would live until backward, beside the recomputation's); without menus the two
+    are one table. Column `top + 1` of every row is +inf: a gather sends an infeasible level
+    there instead of masking afterwards."""
 
     def __init__(self, c: ChainCosts, unit: int, top: int, n_ids: int, layers: bool) -> None:
         self.c, self.unit, self.top, self.layers = c, unit, top, layers
         self.width = top + 2
-        self.table = np.full((2, n_ids, self.width), _INF, dtype=np.float32)
-        self.table[:, 0, : top + 1] = 0.0  # the empty chain costs nothing at any level
-        self.choice = np.full((2, n_ids, self.width), _KEEP, dtype=np.int16 if c.n < 2**15
-                              else np.int32)
+        modes = 2 if any(c.menu(i) for i in range(c.n)) else 1
+        self.table = np.full((modes, 2, n_ids, self.width), _INF, dtype=np.float32)
+        self.table[:, :, 0, : top + 1] = 0.0  # the empty chain costs nothing at any level
+        self.choice = np.full((modes, 2, n_ids, self.width), _KEEP,
+                              dtype=np.int16 if c.n < 2**15 else np.int32)
         self.m = np.arange(top + 1)
         self.prefix_fwd = np.concatenate(([0.0], np.cumsum(c.fwd_time)))
 
     def fill(self, s: int, t: int, ids: np.ndarray) -> None:
+        for mode in range(self.table.shape[0]):
+            self._fill(mode, s, t, ids)
+
+    def _fill(self, mode: int, s: int, t: int, ids: np.ndarray) -> None:
         c, u, m = self.c, self.unit, self.m
         sub = ids[s, t]
-        ck_time, ck_code = self._checkpoints(s, t, ids)
+        ck_time, ck_code = self._checkpoints(mode, s, t, ids)
         for h in (1, 0):
             best = np.full(m.size, _INF, dtype=np.float32)
             code = np.full(m.size, _KEEP, dtype=self.choice.dtype)
-            for j, opt in enumerate([None, *c.menu(s)]):
+            for j, opt in enumerate([None, *(c.menu(s) if mode else [])]):
                 held, fwd, bwd = keep_terms(c, s, t, bool(h), opt)
                 ko, step = ((opt.keeps_output, opt.fwd_time + opt.bwd_time) if opt else
                             (c.keeps_output[s], c.fwd_time[s] + c.bwd_time[s]))
-                cand = _shifted(self.table[int(ko), ids[s + 1, t]], _nearest(held, u),
+                cand = _shifted(self.table[mode, int(ko), ids[s + 1, t]], _nearest(held, u),
                                 self.top) + np.float32(step)
                 cand[m < _units(max(fwd, bwd), u)] = _INF
                 better = cand < best
@@ -282,13 +293,14 @@ class _Grid:
                 better = cand < best
                 best = np.where(better, cand, best)
                 code = np.where(better, cand_code, code)
-            self.table[h, sub, : self.top + 1] = best
-            self.choice[h, sub, : self.top + 1] = code
+            self.table[mode, h, sub, : self.top + 1] = best
+            self.choice[mode, h, sub, : self.top + 1] = code
 
-    def _checkpoints(self, s: int, t: int, ids: np.ndarray
+    def _checkpoints(self, mode: int, s: int, t: int, ids: np.ndarray
                      ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Best time over checkpointed segments [s, k), k < t, with the input held, at every
-        level; and the chosen k - s. One gather over (k, level)."""
+        level (the segment recomputed in mode 0, the rest in `mode`); and the chosen k - s.
+        One gather over (k, level)."""
         c, u = self.c, self.unit
         ks = [s + 1] if self.layers else list(range(s + 1, t))
         if self.layers and not (0 < s < c.n - 1 and s + 1 < t):
@@ -303,9 +315,9 @@ class _Grid:
         low = np.maximum(inner_shift, [_units(int(v), u) for v in run_peak[: len(ks)]])
         cols = np.minimum(self.m[None, :] - inner_shift[:, None], self.top)
         cols = np.where(self.m[None, :] >= low[:, None], cols, self.top + 1)
-        inner_rows = self.table[1].reshape(-1)
+        inner_rows = self.table[0, 1].reshape(-1)
         inner = inner_rows[ids[s, karr][:, None] * self.width + cols]
-        rest = self.table[0, ids[karr, t], : self.top + 1]
+        rest = self.table[mode, 0, ids[karr, t], : self.top + 1]
         fwd = (self.prefix_fwd[karr] - self.prefix_fwd[s]).astype(np.float32)
         cand = inner + rest + fwd[:, None]
         arg = np.argmin(cand, axis=0)
