@@ -60,14 +60,14 @@ def _save_matmuls(planning: Planning) -> Plan | None:
     return Plan(c.n, tuple(items)) if any(isinstance(it, Selective) for it in items) else None
 
 
-def summary(name: str, floors: tuple[int, int], got: list[tuple[float, dict]]) -> str:
+def summary(name: str, floors: tuple[int, int], got: list[tuple[float, dict, bool]]) -> str:
     """One line on the issue's goals: floors, never slower than the block plan beyond the
-    noise (the larger of the two spreads), and the overhead against the best per-layer plan
-    at mid budgets (0.25-0.75)."""
+    noise (the larger of the two spreads; not judged where both are the same plan), and the
+    overhead against the best per-layer plan at mid budgets (0.25-0.75)."""
     slower, mid = [], []
-    for frac, row in got:
+    for frac, row, same in got:
         op, block = row["op-level"], row.get("block")
-        if block and op[0] > block[0] * (1 + max(op[1], block[1])):
+        if block and not same and op[0] > block[0] * (1 + max(op[1], block[1])):
             slower.append(f"{frac:.2f}")
         per_layer = [v[0] for k, v in row.items() if k == "block" or k.startswith("every_n")]
         if 0.2 < frac < 0.8 and per_layer and min(per_layer) > 1:
@@ -101,6 +101,7 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
         runs = {"none": lambda: model,
                 "op-level": lambda p=mine: apply(model, p, example_input=batch)}
         fits = {}
+        theirs = None
         if budget >= block_floor:
             theirs = blocks.choose(budget)
             runs["block"] = lambda p=theirs: apply(model, p, example_input=batch)
@@ -114,7 +115,8 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
             fits[f"every_n_layers={k}"] = peak
         got, evidence = _side_by_side(runs, batch, model, rounds)
         base = got["none"][0]
-        ratios.append((frac, {k: (v[0] / base, v[1]) for k, v in got.items()}))
+        ratios.append((frac, {k: (v[0] / base, v[1]) for k, v in got.items()},
+                       theirs is not None and theirs.describe() == mine.describe()))
 
         def cell(key: str, got=got, base=base, fits=fits) -> str:
             if key not in got:

@@ -36,7 +36,10 @@ def _selective(plan: Plan) -> list[Selective]:
 def test_float64_gradients_and_buffers_equal_the_plain_model_under_op_level_plans(name):
     model, batch = realzoo.MODELS[name]()
     model, batch = model.double().train(), _double(batch)
-    plan = _every_option(rematlab.prepare(model, batch, optimizer=None, ops=True))
+    planning = rematlab.prepare(model, batch, optimizer=None, ops=True)
+    menus = [[o.name for o in planning.costs.menu(i)] for i in range(planning.costs.n)]
+    assert all(len(set(names)) == len(names) for names in menus)  # plans name options
+    plan = _every_option(planning)
     assert len(_selective(plan)) >= 2
     remat = rematlab.apply(model, plan, example_input=batch)
     buffers = [b.clone() for b in model.buffers()]

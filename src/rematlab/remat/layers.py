@@ -46,8 +46,8 @@ from rematlab.core.batch import Batch, call, detached, first_float, tensors, to_
 from rematlab.core.steps import preserved
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
-from rematlab.remat.ops import SavePolicy, refuse_compiled
-from rematlab.remat.recompute import RecomputeStats, recompute_contexts, selective_contexts
+from rematlab.remat.ops import run_option
+from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
 # The runner of the planned forward running now, for layer frames torch.compile traces:
@@ -207,12 +207,8 @@ class LayerRemat:
                 hook(hidden)  # the layer's input stays alive for backward
         option = self._option(layer)
         if option is not None:
-            refuse_compiled(option)
-            policy = SavePolicy(option.saves, option.ops, f"layer {option.block - 1}")
-            out = checkpoint(forward, *args, use_reentrant=False, **kwargs,
-                             context_fn=selective_contexts(self.recompute, [layer], policy))
-            policy.check()
-            return out
+            return run_option(option, layer, forward, self.recompute,
+                              f"layer {option.block - 1}", *args, **kwargs)
         if torch.compiler.is_compiling():  # dynamo rejects a custom context_fn
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False,

@@ -20,6 +20,7 @@ every random op must run again for the replayed stream to line up.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import statistics
 import time
@@ -27,6 +28,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,7 +132,11 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     rows: list[tuple] = []
     for r in range(max(1, repeats)):
         recorder = _Recorder(sync)
-        with preserved(module), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # saved storages are read in the first run only: storage keys are addresses, which a
+        # later run may reuse for tensors the first run did not save
+        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if r == 0
+                 else contextlib.nullcontext())
+        with preserved(module), hooks:
             with recorder:
                 out = run(x_in)
             del out
@@ -251,6 +257,11 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
     limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
     menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
                          unit) for saves in save_sets(ops)]
+    seen: Counter[str] = Counter()
+    for i, o in enumerate(menu):  # plans name options: two summaries alike get a number
+        seen[o.name] += 1
+        if seen[o.name] > 1:
+            menu[i] = replace(o, name=f"{o.name} #{seen[o.name]}")
     # an option runs the same forward, and in backward the block's backward plus the ops it
     # recomputes: never less than that, whatever a short timing says (noise would otherwise
     # buy memory for nothing)
@@ -273,11 +284,10 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     keeps, and the output, unless it is among the saved), the forward and backward peaks
     under the live-tensor tracker, and median times by the one timer."""
     ops = fingerprint(names)
+    item = Selective(-1, describe_saves(saves), saves, ops)
 
     def selective(x: torch.Tensor) -> torch.Tensor:
-        policy = SavePolicy(saves, ops, "profiling")
-        return checkpoint(run, x, use_reentrant=False,
-                          context_fn=selective_contexts(RecomputeStats(), [module], policy))
+        return run_option(item, module, run, RecomputeStats(), "profiling", x)
 
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
@@ -298,16 +308,25 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
             loss.backward()
         bwd_mem = tracker.peak - before_bwd - out_bytes
     fwd_time, bwd_time = time_block(selective, x_in, repeats) if repeats else (0.0, 0.0)
-    return Option(name=describe_saves(saves), saves=saves,
+    return Option(name=item.option, saves=saves,
                   saved=max(0, held - (out_bytes if keeps_output else 0)), keeps_input=True,
                   keeps_output=keeps_output, fwd_mem=fwd_mem, bwd_mem=max(0, bwd_mem),
                   fwd_time=fwd_time, bwd_time=bwd_time, ops=ops)
 
 
-def refuse_compiled(item: Selective) -> None:
-    """Op-level options run eager: under torch.compile a clear error, not a silent plain run
-    (compiled plans are whole-block plans, `plan(..., compile=True)`)."""
+def run_option(item: Selective, module: nn.Module, fn: Callable, stats: RecomputeStats,
+               where: str, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` — `module`'s forward — under `item`'s option: selective
+    checkpointing with rematlab's recompute context, the op sequence checked against the
+    plan's. The one way options run (chains, models' own loops, profiling). Eager only:
+    under torch.compile a clear error, not a silent plain run (compiled plans are whole-block
+    plans, `plan(..., compile=True)`)."""
     if torch.compiler.is_compiling():
         raise ConfigError(f"block {item.block} runs an op-level option ({item.option}), which "
                           "does not run under torch.compile; plan with compile=True for a "
                           "whole-block plan of the compiled model")
+    policy = SavePolicy(item.saves, item.ops, where)
+    out = checkpoint(fn, *args, use_reentrant=False, **kwargs,
+                     context_fn=selective_contexts(stats, [module], policy))
+    policy.check()
+    return out

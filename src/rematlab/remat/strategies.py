@@ -32,8 +32,8 @@ from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
-from rematlab.remat.ops import SavePolicy, refuse_compiled
-from rematlab.remat.recompute import RecomputeStats, recompute_contexts, selective_contexts
+from rematlab.remat.ops import run_option
+from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 from rematlab.remat.structure import Structure, structure
 
 MAX_SEGMENTS = 1_000_000  # beyond any chain: a larger count is a typo
@@ -164,14 +164,9 @@ class RematChain(nn.Module):
         block = self.blocks[item.block]
         if not torch.is_grad_enabled():
             return block(x)
-        refuse_compiled(item)
         for hook in self.hooks:
             hook(x)  # the block's input stays alive for backward
-        policy = SavePolicy(item.saves, item.ops, f"block {item.block}")
-        out = checkpoint(block, x, use_reentrant=False,
-                         context_fn=selective_contexts(self.recompute, [block], policy))
-        policy.check()
-        return out
+        return run_option(item, block, block, self.recompute, f"block {item.block}", x)
 
     def _segment_fn(self, seg: Segment) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: self._run(seg.inner, x)
