@@ -89,8 +89,7 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
     t0 = time.perf_counter()
     blocks = prepare(model, batch)
     blocks_s = time.perf_counter() - t0
-    floor = max(ops.floor, ops.measure(ops.solution.frontier[0]))
-    block_floor = max(blocks.floor, blocks.measure(blocks.solution.frontier[0]))
+    floor, block_floor = ops.measured_floor(), blocks.measured_floor()
     full = blocks.choose(10 * 2**40).measured_peak
     matmuls = _save_matmuls(ops)
     matmul_peak = ops.measure(matmuls) if matmuls else None

@@ -30,14 +30,15 @@ def plans(model_name: str, scale: str | None, batch: int, device: str, compile: 
     planning = prepare(model, x, compile=compile)
     prepare_s = time.perf_counter() - t0
     rows = []
+    floor = planning.measured_floor()
     for fraction in FRACTIONS:
-        budget = int(planning.floor + fraction * (planning.full - planning.floor))
+        budget = int(floor + fraction * (planning.full - floor))
         t1 = time.perf_counter()
         chosen = planning.choose(budget)
         rows.append({
             "model": model_name, "input": scale, "batch": batch, "device": device,
             "compiled": compile, "fraction": fraction, "budget": budget,
-            "floor": planning.floor, "unconstrained": planning.full, "plan": chosen.describe(),
+            "floor": floor, "unconstrained": planning.full, "plan": chosen.describe(),
             "predicted_peak": chosen.predicted_peak, "measured_peak": chosen.measured_peak,
             "error": (chosen.predicted_peak - chosen.measured_peak) / chosen.measured_peak,
             "within_budget": chosen.measured_peak <= budget, "prepare_s": prepare_s,

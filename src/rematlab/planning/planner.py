@@ -65,6 +65,14 @@ class Planning:
         """The model's smallest step peak (the measured floor can be higher)."""
         return self.solution.min_peak
 
+    def measured_floor(self) -> int:
+        """The smallest budget `choose` accepts: the floor plan's measured peak when
+        verifying (the simulated floor can be below it), else the simulated floor; what
+        `InfeasibleBudgetError.min_peak` reports."""
+        if not self.verify:
+            return self.floor
+        return max(self.floor, self._measure_cached(self.solution.frontier[0]))
+
     @property
     def full(self) -> int:
         """The simulated step peak with every activation kept."""
@@ -105,7 +113,7 @@ class Planning:
             tried += 0 if known else 1
             if tried >= _MAX_CORRECTIONS:
                 skip_above = (candidate.predicted_peak or 0) - (measured - limit)
-        raise infeasible(limit, max(self.floor, self._measured[pool[0].describe()]))
+        raise infeasible(limit, self.measured_floor())
 
     @property
     def unconstrained(self) -> Plan:
