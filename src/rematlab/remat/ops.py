@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -72,9 +72,6 @@ class OpCost:
     random: bool
     flops: float
     seconds: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def fingerprint(names: list[str]) -> str:
