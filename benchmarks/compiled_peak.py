@@ -24,8 +24,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import CpuAllocatorTrace
-from rematlab.core.steps import make_optimizer
 from rematlab.core.timer import Timer, timed
 from rematlab.measurement import zoo
 from rematlab.plans.plan import Plan

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rematlab.core.guard import Evidence
-from rematlab.core.steps import make_optimizer, train_step
+from rematlab.core.optimizers import make_optimizer
+from rematlab.core.steps import train_step
 from rematlab.core.timer import Timer, Turns
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError

@@ -3,7 +3,8 @@
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from rematlab.core.batch import call, tensors
-from rematlab.core.steps import default_loss, make_optimizer
+from rematlab.core.optimizers import make_optimizer
+from rematlab.core.steps import default_loss
 
 
 def own_loop_peak(model, batch) -> int:

@@ -11,8 +11,8 @@ import rematlab
 
 PACKAGE = Path(rematlab.__file__).parent
 # Bottom to top; a module may import its own layer and the ones before it.
-LAYERS = ("exceptions", "version", "core", "plans", "remat", "measurement", "planning",
-          "gradients", "study", "cli", "__init__")
+LAYERS = ("exceptions", "version", "core", "plans", "preflight", "remat", "measurement",
+          "planning", "gradients", "study", "cli", "__init__")
 MAX_LINES = 400
 
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from rematlab import Spec, apply
 from rematlab.core.guard import POLL_S, Guard
+from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import CpuAllocatorTrace, LiveTensorTracker, Span
-from rematlab.core.steps import make_optimizer
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
 from rematlab.measurement.measure import measure

@@ -62,7 +62,8 @@ Vocab = Annotated[int | None, typer.Option(help="token ids are drawn below this"
 Example = Annotated[str | None, typer.Option(
     help="batch factory module:fn, fn(batch) -> tensor, tuple or dict (e.g. input_ids, "
          "attention_mask, labels); modules resolve from the current directory")]
-Optimizer = Annotated[str, typer.Option(help="sgd, momentum, adam, none")]
+Optimizer = Annotated[str, typer.Option(
+    help="sgd, momentum, adam, adamw, mixed-adamw (AdamW state in fp32), none")]
 Blocks = Annotated[str | None, typer.Option(
     help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
 

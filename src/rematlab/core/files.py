@@ -76,6 +76,12 @@ def write_atomic(out: str | Path, write: Callable[[Path], None]) -> Path:
     return Path(out)
 
 
+def cache_dir() -> Path:
+    """Where rematlab keeps what it computed once for this machine (a trained backbone, the
+    roofline's calibration): `REMATLAB_CACHE`, default `~/.cache/rematlab`."""
+    return Path(os.environ.get("REMATLAB_CACHE", Path.home() / ".cache" / "rematlab"))
+
+
 def write_text(out: str | Path, text: str) -> Path:
     return write_atomic(out, lambda p: p.write_text(text, encoding="utf-8"))
 

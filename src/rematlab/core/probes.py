@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -361,6 +362,6 @@ def one_phase(fn: Callable[[], object]) -> Callable[[PhaseMarker], object]:
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage (device and data pointer; meta tensors by object id)."""
-    if t.device.type == "meta":
+    if t.device.type == "meta" or isinstance(t, FakeTensor):  # no data, no address
         return ("meta", id(t.untyped_storage()))
     return (str(t.device), t.untyped_storage().data_ptr())

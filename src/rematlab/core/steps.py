@@ -113,21 +113,6 @@ def train_step(model: nn.Module, batch: Batch, *, run: Callable | None = None,
     return times
 
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
-
-
-def make_optimizer(name: str, params, lr: float = 0.01) -> torch.optim.Optimizer:
-    """`sgd` (plain), `momentum` (SGD, momentum 0.9: the default) or `adam`."""
-    params = list(params)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr * 0.1)
-    raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-
-
 @contextlib.contextmanager
 def preserved(module: nn.Module) -> Iterator[None]:
     """Run a throw-away step: gradients, buffers and the RNG are as before afterwards."""

@@ -29,19 +29,18 @@ import copy
 import hashlib
 import io
 import json
-import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rematlab.core.files import write_bytes
+from rematlab.core.files import cache_dir, write_bytes
+from rematlab.core.lora import LoRALinear
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
-from rematlab.gradients.tasks import LoRALinear, Task
+from rematlab.gradients.tasks import Task
 from rematlab.plans.plan import Plan
 
 MODEL = "bert-topics"
@@ -79,10 +78,6 @@ def _backbone(classes: int) -> nn.Module:
     return BertForSequenceClassification(cfg)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("REMATLAB_CACHE", Path.home() / ".cache" / "rematlab"))
-
-
 def pretrained(progress: Callable[[str], None] | None = None) -> nn.Module:
     """The backbone trained on the 8-topic task, from the cache when it was made before
     with the same recipe (the file name hashes the recipe)."""
@@ -91,7 +86,7 @@ def pretrained(progress: Callable[[str], None] | None = None) -> nn.Module:
     recipe = json.dumps({"config": CONFIG, "pretrain": PRETRAIN,
                          "transformers": transformers.__version__,
                          "torch": torch.__version__.split("+")[0]}, sort_keys=True)
-    path = _cache_dir() / f"{MODEL}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}.pt"
+    path = cache_dir() / f"{MODEL}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}.pt"
     model = _backbone(TOPICS)
     if path.exists():
         try:

@@ -5,13 +5,13 @@ fine-tuning a frozen backbone."""
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rematlab.core.lora import LoRALinear
 from rematlab.core.steps import runs_on
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
@@ -75,24 +75,6 @@ def build_model(name: str) -> tuple[nn.Sequential, Task]:
         return model, task
     raise ConfigError(f"unknown model {name!r} for the gradient comparison; use mlp3, mlp5, "
                       "mlp7, lenet5, synthetic-mlp5 or module:factory (64 inputs, 10 classes)")
-
-
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update (alpha / rank)·B·A, B starting
-    at zero so the adapted model starts as the base (alpha defaults to the rank: scale 1)."""
-
-    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float | None = None) -> None:
-        super().__init__()
-        self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
-        self.scale = (alpha if alpha is not None else rank) / rank
-        self.a = nn.Parameter(torch.randn(rank, base.in_features) / math.sqrt(base.in_features))
-        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = F.linear(F.linear(x, self.a), self.b)
-        return self.base(x) + (update if self.scale == 1 else self.scale * update)
 
 
 def for_finetuning(model: nn.Sequential, classes: int, rank: int = 4) -> nn.Sequential:

@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.guard import LOAD, HostLoad
+from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import StepMemory, clock_for, one_phase, peak_of
-from rematlab.core.steps import make_optimizer
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import peft
 from rematlab.gradients.estimators import Method, ModelLoss, estimate, trainable

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.batch import DTYPES, cast, make_example, tensors
 from rematlab.core.guard import MAX_WAIT_S, Guard
+from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import (
     Clock,
     MemoryProbe,
@@ -46,7 +47,7 @@ from rematlab.core.probes import (
     peak_of,
     storage_key,
 )
-from rematlab.core.steps import is_oom, make_optimizer, runs_on, train_step
+from rematlab.core.steps import is_oom, runs_on, train_step
 from rematlab.core.timer import MIN_REPEAT_SECONDS, Timer
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.measurement import zoo

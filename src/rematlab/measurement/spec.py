@@ -19,8 +19,8 @@ import torch
 from rematlab.core.batch import DTYPES, FLOAT_DTYPES
 from rematlab.core.checks import MAX_BATCH_SIZE, MAX_VOCAB, bounded
 from rematlab.core.guard import NOISY, Evidence
+from rematlab.core.optimizers import OPTIMIZERS
 from rematlab.core.spread import iqr
-from rematlab.core.steps import OPTIMIZERS
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
 from rematlab.remat import strategies

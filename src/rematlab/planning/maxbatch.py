@@ -39,8 +39,9 @@ from torch import nn
 from rematlab.core.batch import Batch, check_batch, resized, tensors, to_device
 from rematlab.core.checks import bounded
 from rematlab.core.guard import Evidence
+from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import Clock
-from rematlab.core.steps import LossFn, is_oom, make_optimizer, preserved, train_step
+from rematlab.core.steps import LossFn, is_oom, preserved, train_step
 from rematlab.core.timer import Timer, Timing, Turns
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS

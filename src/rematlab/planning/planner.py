@@ -1,11 +1,13 @@
 """Plan the fastest checkpointing of a model for a memory budget in bytes, and check it.
 
-`plan` finds the model's chain, profiles its blocks (measured on the target device, or
-predicted on the meta device), solves the dynamic programme once for every memory level and
-picks the fastest plan whose simulated step peak fits the budget. On a real device it then
-*measures* the plan's forward+backward peak (optimizer state allocated, parameters and
-buffers left untouched) and, if the measurement exceeds the budget, tightens the budget by the
-overshoot and picks again: the budget is honoured on measurement, not only in the model.
+`plan` finds the model's chain, profiles its blocks (measured on the device, or predicted
+without running for a target device: `rematlab.preflight`), solves the dynamic programme once
+for every memory level and picks the fastest plan whose simulated step peak fits the budget.
+On a real device it then *measures* the plan's forward+backward peak (optimizer state
+allocated, parameters and buffers left untouched) and, if the measurement exceeds the
+budget, tightens the budget by the overshoot and picks again: the budget is honoured on
+measurement, not only in the model. A predicted plan is not measured: it says so, for which
+target, and gives its time as an interval (`Planning.interval`).
 
 With `compile=True` the plan is made for `torch.compile(apply(model, plan))`: blocks are
 profiled compiled and the plan is verified on the compiled step, whose fused kernels and
@@ -27,10 +29,12 @@ from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
+from rematlab.planning.preflight import predicted_costs, target_budget
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
 from rematlab.plans.solver import Solution, solve
+from rematlab.preflight.targets import Target
 from rematlab.remat.chain import compiling, profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.strategies import apply
@@ -58,6 +62,7 @@ class Planning:
     verify: bool
     compile: bool
     loss_fn: LossFn | None
+    target: Target | None = None  # predicted for this device (`rematlab.preflight`)
     _measured: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -79,8 +84,25 @@ class Planning:
         return simulate(none_plan(self.costs.n), self.costs)[0]
 
     def budget(self, budget: str | int) -> DeviceBudget:
-        """`budget` in bytes, with how it was derived (`derive`)."""
+        """`budget` in bytes, with how it was derived (`derive`; for a predicted GPU
+        target, what the target has: `target_budget`)."""
+        if self.target is not None and self.target.kind == "cuda" and is_auto(budget):
+            return target_budget(self.target)
         return derive(budget, self.model, self.batch)
+
+    def interval(self, chosen: Plan) -> tuple[float, float]:
+        """A predicted plan's step time at the fast and the slow end of the target's
+        efficiencies (`ChainCosts.bound`); the point itself when the times were measured."""
+        return (simulate(chosen, self.costs.bound(0))[1],
+                simulate(chosen, self.costs.bound(1))[1])
+
+    def overhead_interval(self, chosen: Plan) -> tuple[float, float]:
+        """The plan's time over keeping everything, at either end of the interval (a ratio
+        of two predictions at the same efficiency, so tighter than the times')."""
+        plain = none_plan(self.costs.n)
+        ends = [overhead(simulate(chosen, c)[1], simulate(plain, c)[1])
+                for c in (self.costs.bound(0), self.costs.bound(1))]
+        return (min(ends), max(ends))
 
     def choose(self, budget: str | int) -> Plan:
         """The fastest plan within `budget` (a size or 'auto'), measured unless predicting.
@@ -176,6 +198,7 @@ def prepare(
     blocks: list[nn.Module] | str | list[str] | None = None,
     loss_fn: LossFn | None = None,
     predict: bool = False,
+    target: str | Target | dict | None = None,
     verify: bool = True,
     compile: bool = False,
     ops: bool = False,
@@ -185,31 +208,45 @@ def prepare(
     if ops and (predict or compile):
         raise ConfigError("op-level plans (ops=True) are measured eager: not with predict=True"
                           " or compile=True")
+    if compile and predict:
+        raise ConfigError("compiled costs must be measured: compile=True cannot be predicted")
+    if target is not None and not predict:
+        raise ConfigError("a target is planned for without running (predict=True); without "
+                          "it, plans are measured on the device the batch is on")
     st = structure(model, example_inputs, blocks)
+    if predict:
+        costs, tgt = predicted_costs(model, example_inputs, st, device, optimizer, loss_fn,
+                                     target)
+        solution = solve(costs, layers=st.kind == "layers")
+        return Planning(model, st, example_inputs, costs, solution, False, False, loss_fn,
+                        tgt)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
+    if dev.type == "meta":
+        raise ConfigError("a model or batch on the meta device has no data: plan it with "
+                          "predict=True (and a target)")
     batch = to_device(example_inputs, dev)
-    if not predict:
-        runs_on(model, model, batch, type(model).__name__)
+    runs_on(model, model, batch, type(model).__name__)
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":
-        if predict:
-            raise ConfigError(f"{type(model).__name__} runs its own layer loop ({st.describe()}):"
-                              " its layers are profiled on the device, not predicted")
         with compiling():
             costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
                                    optimizer=optimizer, repeats=repeats, compile=compile,
                                    ops=ops)
         solution = solve(costs, layers=True)
     else:
-        if not isinstance(batch, torch.Tensor):
-            raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
-                              "with several inputs")
-        costs = profile_chain(st.blocks, batch, device=torch.device("meta") if predict else dev,
-                              optimizer=optimizer, repeats=repeats, compile=compile, ops=ops)
+        costs = profile_chain(st.blocks, _one_tensor(batch), device=dev, optimizer=optimizer,
+                              repeats=repeats, compile=compile, ops=ops)
         solution = solve(costs)
-    return Planning(model, st, batch, costs, solution, verify and not predict, compile, loss_fn)
+    return Planning(model, st, batch, costs, solution, verify, compile, loss_fn)
+
+
+def _one_tensor(batch: object) -> torch.Tensor:
+    if not isinstance(batch, torch.Tensor):
+        raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
+                          "with several inputs")
+    return batch
 
 
 def plan(
@@ -225,8 +262,10 @@ def plan(
     dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
     output stays alive until the step ends. Keywords: `optimizer` (sgd, momentum, adam or
     None) adds its state and step; `blocks` names the layers of a model that runs its own loop
-    (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans a chain from meta-device
-    costs (FLOPs stand in for time) without running it; `verify=False` skips the
+    (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans without running
+    anything, from fake-tensor costs and the roofline of `target` (a name such as
+    "h100-80gb", "cpu" for this machine, a profile: `rematlab.preflight.targets`), for a
+    model and batch that may live on the meta device; `verify=False` skips the
     measurement; `compile` plans for `torch.compile(apply(model, plan))` (chains and
     models that run their own layer loop); `ops` also offers each block op-level options
     (save some ops' outputs, recompute the rest: `rematlab.remat.ops`), one per kept block.

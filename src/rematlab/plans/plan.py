@@ -20,7 +20,7 @@ block i also holds the gradients of every later block.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Union
 
 from rematlab.exceptions import ConfigError
@@ -99,6 +99,9 @@ class ChainCosts:
     state: int = 0  # optimizer state (part of base)
     optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
     options: list[list[Option]] = field(default_factory=list)  # per block; [] = keep or not
+    # predicted costs (`rematlab.preflight`): each block's (fastest, slowest) seconds
+    fwd_range: list[tuple[float, float]] = field(default_factory=list)
+    bwd_range: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -114,6 +117,15 @@ class ChainCosts:
                 return opt
         raise ConfigError(f"block {block} has no option {name!r} in these costs "
                           f"(it has: {[o.name for o in self.menu(block)] or 'none'})")
+
+    def bound(self, end: int) -> ChainCosts:
+        """These costs with every block's times at one end of their predicted interval (0:
+        fastest, 1: slowest), so that a plan's time can be given as an interval; the same
+        costs when the times were measured."""
+        if not self.fwd_range:
+            return self
+        return replace(self, fwd_time=[r[end] for r in self.fwd_range],
+                       bwd_time=[r[end] for r in self.bwd_range])
 
     def grads_between(self, start: int, end: int) -> int:
         return sum(self.grad[start:end])

@@ -21,16 +21,20 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import (
     LiveTensorTracker,
     allocator_trace,
     rounded,
     storage_key,
 )
-from rematlab.core.steps import make_optimizer, preserved, unit_loss
+from rematlab.core.steps import preserved, unit_loss
 from rematlab.core.timer import time_block, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
+from rematlab.preflight.fake import FakeSession, is_fake
+from rematlab.preflight.roofline import OpLog
+from rematlab.preflight.targets import Target, interval
 from rematlab.remat.ops import block_options
 from rematlab.remat.tracing import meta_copy
 
@@ -44,25 +48,34 @@ def profile_chain(
     unit: int = 1,
     compile: bool = False,
     ops: bool = False,
+    target: Target | None = None,
 ) -> ChainCosts:
     """Per-block costs at the example input's batch size (see module docstring); `unit`
     rounds every allocation up to the allocator's block size (512 for CUDA predictions).
-    With `ops`, each block also gets its menu of op-level options (`rematlab.remat.ops`)."""
+    With `ops`, each block also gets its menu of op-level options (`rematlab.remat.ops`).
+    With a `target`, the blocks and the input are fake twins (`rematlab.preflight`): bytes
+    as a real run's, times the roofline's on the target; nothing is allocated or run."""
     device = device or example_input.device
     meta = device.type == "meta"
-    if meta and compile:
-        raise ConfigError("compiled costs must be measured: they cannot be predicted on meta")
-    if ops and (meta or compile):
-        raise ConfigError("op-level options are measured eager: not predicted on meta, and "
+    predicted = meta or target is not None
+    if predicted and compile:
+        raise ConfigError("compiled costs must be measured: they cannot be predicted")
+    if ops and (predicted or compile):
+        raise ConfigError("op-level options are measured eager: not predicted, and "
                           "not under torch.compile (plan whole blocks with compile=True)")
-    run = [meta_copy(b) for b in blocks] if meta else blocks
-    x = example_input.to(device)
+    session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
+    if session is not None:
+        run, x, unit = [session.model(b) for b in blocks], session.batch(example_input), \
+            target.unit
+    else:
+        run = [meta_copy(b) for b in blocks] if meta else blocks
+        x = example_input.to(device)
     base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
-        "fwd_time", "bwd_time", "fwd_flops", "options")}
+        "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range")}
     params_bytes = 0
-    watch = (contextlib.nullcontext() if meta
+    watch = (session.active() if session is not None else contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
     repeated = Repeats()
     with watch:
@@ -71,7 +84,8 @@ def profile_chain(
             r = repeated.costs(block, [x_in], lambda b=block, x_in=x_in: b(x_in))
             if r is None:
                 with preserved(block):
-                    r = profile_block(block, x_in, repeats=0 if meta else repeats, unit=unit)
+                    r = profile_block(block, x_in, repeats=0 if predicted else repeats,
+                                      unit=unit, target=target)
                 if compile:
                     with preserved(block), compiling():
                         r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
@@ -88,12 +102,12 @@ def profile_chain(
                     fields[key].append(value)
             params_bytes += r["params"]
             x = r["out"]
-    fields["x"].append(rounded(x.element_size() * x.numel(), unit))
-    if meta:
-        fields["fwd_time"] = list(fields["fwd_flops"])
-        fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
-    state, transient = optimizer_memory([p for b in run for p in b.parameters()], optimizer,
-                                        unit)
+        fields["x"].append(rounded(x.element_size() * x.numel(), unit))
+        if meta:
+            fields["fwd_time"] = list(fields["fwd_flops"])
+            fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
+        state, transient = optimizer_memory([p for b in run for p in b.parameters()],
+                                            optimizer, unit)
     out_bytes = fields["x"][-1]
     # the output (alive until the step ends, as in a user's loop), the loss's saved tensor
     # (log-softmax) and the output's gradient, int64 labels (see `rematlab.core.steps`)
@@ -173,14 +187,16 @@ def _saved_recorder(block: nn.Module, unit: int, exclude: frozenset = frozenset(
 
 def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
                   run: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  others: list[torch.Tensor] | None = None, compile: bool = False) -> dict:
+                  others: list[torch.Tensor] | None = None, compile: bool = False,
+                  target: Target | None = None) -> dict:
     """Costs of one block on `x_in`, the one block profiler (chains and layers, eager and
     compiled). `run(x)` calls the block and returns its output tensor (a layer of a real model
     takes more arguments and may return a tuple); `others` are those other tensor arguments,
     whose storages are not the block's saved bytes. With `compile`, the block runs under
     `torch.compile` (warmed up first): the live-tensor tracker cannot see inside compiled
     code, so memory comes from the allocator and saved-tensor hooks alone, and FLOPs are
-    left to the eager profile."""
+    left to the eager profile. With a `target`, the block is a fake twin
+    (`rematlab.preflight`): its times are the roofline's for the ops it ran, as an interval."""
     if compile:
         run = compiled(run or block)
         for _ in range(2):  # compile forward and backward outside the measurement
@@ -199,13 +215,16 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
     counting = contextlib.nullcontext() if compile else tracker
     flops = FlopCounterMode(display=False)
-    allocator = None if x_in.device.type == "meta" else allocator_trace(x_in.device)
+    logs = (OpLog(), OpLog()) if target is not None else None
+    priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
+    real = not (x_in.device.type == "meta" or is_fake(x_in))
+    allocator = allocator_trace(x_in.device) if real else None
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
     with allocator or contextlib.nullcontext():
         before = tracker.live
         with phase("forward"), counting, flops if not compile else contextlib.nullcontext(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), priced(0):
             out = run(x_in)
         fwd_mem = tracker.peak - before
         kin, kout = storage_key(x_in), storage_key(out)
@@ -216,7 +235,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
             del out  # autograd alone decides when the output dies, as in a real step
             before_bwd = tracker.live
             tracker.reset_peak()
-            with phase("backward"), counting:
+            with phase("backward"), counting, priced(1):
                 loss.backward()
             bwd_mem = tracker.peak - before_bwd - out_bytes
     if allocator is not None:  # kernel workspaces, compiled code: only the allocator sees them
@@ -224,7 +243,13 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         if "backward" in allocator.phases:
             bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
     fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
+    ranges = {}
+    if logs is not None:
+        (f_lo, fwd_time, f_hi), (b_lo, bwd_time, b_hi) = (interval(log.ops, target)
+                                                          for log in logs)
+        ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi)}
     return {
+        **ranges,
         "x": rounded(x_in.element_size() * x_in.numel(), unit),
         "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
         "keeps_input": kin in saved,

@@ -6,6 +6,7 @@ tracked training step of the whole model (`outer_costs`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -14,12 +15,15 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, batch_bytes, call, first_float, tensors, to_device
-from rematlab.core.probes import LiveTensorTracker
+from rematlab.core.probes import LiveTensorTracker, rounded
 from rematlab.core.steps import LossFn, default_loss, preserved, train_step
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts
+from rematlab.preflight.fake import FakeSession
+from rematlab.preflight.roofline import OpLog
+from rematlab.preflight.targets import Target, interval
 from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import block_options
@@ -35,25 +39,56 @@ def _output_tensor(out: Any) -> torch.Tensor:
 
 def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
                    loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
-                   repeats: int = 1, compile: bool = False, ops: bool = False) -> ChainCosts:
+                   repeats: int = 1, compile: bool = False, ops: bool = False,
+                   target: Target | None = None) -> ChainCosts:
     """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring),
     measured on the batch's device; with `compile`, each layer's costs are those of the layer
     compiled (what the model around it does is measured eager, and the plan's compiled step
-    is verified whole)."""
+    is verified whole). With a `target`, the model (real or on the meta device) and the batch
+    (real or meta tensors) are profiled as fake twins (`rematlab.preflight`): bytes as a real
+    run's, times the roofline's on the target; nothing is allocated or run."""
+    if target is None:
+        return _profile_layers(model, batch, layers, loss_fn, optimizer, repeats, compile,
+                               ops, None)
+    session = FakeSession(cuda=target.kind == "cuda")
+    names = {id(m): n for n, m in model.named_modules()}
+    twin = session.model(model)
+    with session.active():
+        return _profile_layers(twin, session.batch(batch),
+                               [twin.get_submodule(names[id(m)]) for m in layers], loss_fn,
+                               optimizer, 0, False, False, target)
+
+
+def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
+                    loss_fn: LossFn | None, optimizer: str | None, repeats: int,
+                    compile: bool, ops: bool, target: Target | None) -> ChainCosts:
+    unit = target.unit if target is not None else 1
     calls = capture(model, batch, layers)
     device = next(tensors(batch)).device
-    with watched("the layers' forward and backward times"):
+    with watched("the layers' forward and backward times") if target is None \
+            else contextlib.nullcontext():
         repeated = Repeats()
-        rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated, ops)
+        rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated, ops,
+                               target)
                 for layer, host_call in zip(layers, calls, strict=True)]
-        outer = outer_costs(model, batch, layers, loss_fn, repeats)
-    x = [0, *(r["x"] for r in rows), rows[-1]["out"].untyped_storage().nbytes(), 0]
-    state, transient = optimizer_memory(list(model.parameters()), optimizer)
-    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    inputs = batch_bytes(batch)
+        outer = outer_costs(model, batch, layers, loss_fn, repeats, target)
+    x = [0, *(r["x"] for r in rows), rounded(rows[-1]["out"].untyped_storage().nbytes(), unit),
+         0]
+    state, transient = optimizer_memory(list(model.parameters()), optimizer, unit)
+    params = sum(rounded(t.numel() * t.element_size(), unit)
+                 for t in [*model.parameters(), *model.buffers()])
+    grads = sum(rounded(p.numel() * p.element_size(), unit)
+                for p in model.parameters() if p.requires_grad)
+    inputs = sum(rounded(n, unit) for n in {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                                            for t in tensors(batch)}.values())
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
+    ranges = {}
+    if target is not None:  # the same at each end of the predicted interval
+        ranges = {"fwd_range": [(0.0, 0.0), *(r["fwd_range"] for r in rows), (0.0, 0.0)],
+                  "bwd_range": [tuple(max(0.0, outer["step_range"][end] - sum(
+                      r["fwd_range"][end] + r["bwd_range"][end] for r in rows))
+                      for end in (0, 1)), *(r["bwd_range"] for r in rows), (0.0, 0.0)]}
 
     # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
     # outputs): the live bytes each layer added in the real step, less what its profile
@@ -82,11 +117,13 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
         base=params + state + inputs + outer["output"],
         state=state,
         optimizer_peak=params + grads + state + transient + inputs,
+        **ranges,
     )
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
-                   repeats: int, compile: bool, repeated: Repeats, ops: bool) -> dict:
+                   repeats: int, compile: bool, repeated: Repeats, ops: bool,
+                   target: Target | None) -> dict:
     """One layer's costs, profiled on the arguments it received in the real forward (or
     those of an identical layer profiled before it, `Repeats`)."""
     lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
@@ -102,7 +139,8 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
     if row is None:
         with preserved(layer):
             row = profile_block(layer, x_in, repeats, run=run, others=lc.others(),
-                                compile=compile)
+                                compile=compile, target=target,
+                                unit=target.unit if target is not None else 1)
         if ops:
             with preserved(layer):
                 row["options"] = block_options(layer, run, x_in, row, others=lc.others(),
@@ -112,14 +150,15 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
 
 
 def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                loss_fn: LossFn | None, repeats: int) -> dict:
+                loss_fn: LossFn | None, repeats: int, target: Target | None = None) -> dict:
     """Costs of what runs before the first layer and after the last, from one tracked
     training step with every layer kept: live bytes and peaks between five events — first
     layer entered, last layer left, loss computed, gradient of the last layer's output
     ready, gradient of the first layer's input ready (none when it needs no gradient, as
     under frozen embeddings: nothing before the layers runs backward) — and the step's
-    end."""
-    tracker = LiveTensorTracker()
+    end. With a `target`, the step's time is the roofline's of the ops it ran."""
+    tracker = LiveTensorTracker(unit=target.unit if target is not None else 1)
+    log = OpLog() if target is not None else contextlib.nullcontext()
     events: dict[str, tuple[int, int]] = {}
     seen: dict[str, Any] = {}
 
@@ -165,7 +204,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
         with preserved(model):
             tracker.track([*params, *model.buffers(), *tensors(batch)])
             mark("start")
-            with tracker:
+            with tracker, log:
                 out = call(plain, batch)
                 loss = (loss_fn or default_loss)(out, batch)
                 mark("forward_end")
@@ -175,6 +214,8 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
                 mark("end")
             del out, loss
             step_time = _step_time(plain, batch, loss_fn, repeats)
+            if target is not None:
+                fast, step_time, slow = interval(log.ops, target)
     finally:
         for h in handles:
             h.remove()
@@ -205,6 +246,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
         "after_bwd": last_grad[1] - fwd_end[0],
         "after_grad": after_grad,
         "step_time": step_time,
+        **({"step_range": (fast, slow)} if target is not None else {}),
     }
 
 

@@ -25,7 +25,7 @@ from pydantic import (
 
 from rematlab.core.batch import FLOAT_DTYPES
 from rematlab.core.guard import MAX_WAIT_S
-from rematlab.core.steps import OPTIMIZERS
+from rematlab.core.optimizers import OPTIMIZERS
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo

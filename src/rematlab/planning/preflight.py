@@ -1,0 +1,57 @@
+"""Plans for a device that is not here, for models that do not fit here: the planner's costs
+from fake twins of the model and batch (`rematlab.preflight`), priced on a target's roofline.
+
+The model may be real or built on the meta device (its weights never allocated); the batch may
+be real tensors or meta tensors (shapes only). Nothing is measured, so nothing is verified: a
+predicted plan says so, and for which target (`rematlab.planning.planner.Planning.target`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from rematlab.core.batch import tensors
+from rematlab.core.steps import LossFn
+from rematlab.core.units import format_bytes
+from rematlab.exceptions import ConfigError
+from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget
+from rematlab.plans.plan import ChainCosts
+from rematlab.preflight.targets import Target, resolve_target
+from rematlab.remat.chain import profile_chain
+from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.structure import Structure
+
+
+def predicted_costs(model: nn.Module, batch: object, st: Structure, device: object,
+                    optimizer: str | None, loss_fn: LossFn | None,
+                    target: str | Target | dict | None) -> tuple[ChainCosts, Target]:
+    """The costs of `model`'s step on `batch` as `target` would run it, and the target
+    (None: the device the batch is on, calibrated). On a CUDA target the cuBLAS workspace is
+    resident."""
+    kind = (torch.device(device).type if device is not None
+            else next(tensors(batch)).device.type)
+    tgt = resolve_target(target, kind)
+    if st.kind == "layers":
+        costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
+                               target=tgt)
+    else:
+        if not isinstance(batch, torch.Tensor):
+            raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
+                              "with several inputs")
+        costs = profile_chain(st.blocks, batch, optimizer=optimizer, target=tgt)
+    return replace(costs, base=costs.base + tgt.workspace,
+                   optimizer_peak=costs.optimizer_peak + tgt.workspace), tgt
+
+
+def target_budget(target: Target) -> DeviceBudget:
+    """What a step may hold on a GPU target: the card less the CUDA context, and less the
+    margin `device_budget` keeps on a real device (5 %, at least 256 MiB) for fragmentation
+    (`rematlab.preflight.allocator`)."""
+    margin = max(int(MARGIN_FRACTION * target.memory), MARGIN_MIN)
+    return DeviceBudget(target.usable - margin,
+                        f"{target.name}: {format_bytes(target.memory)} less the CUDA context "
+                        f"{format_bytes(target.context)} and a margin of "
+                        f"{format_bytes(margin)}")

@@ -1,0 +1,174 @@
+"""The roofline's rates measured on a device that is present (this CPU, or a GPU here).
+
+A suite of small training steps — the pieces models are made of: linear layers with GELU and
+dropout, layer norm and softmax, attention, convolutions with batch norm, ReLU and pooling,
+embeddings and cross-entropy — runs forward and backward under a dispatch mode that times
+every aten op. Each op's rate is what it reached: FLOP/s for matmuls, convolutions and
+attention, bytes/s for the rest, per op name (the median over the suite's two sizes and its
+repeats). An op the suite never ran is priced at its class's median rate. What a step costs
+beyond its kernels (Python, autograd, the dispatcher) is the per-op `overhead`: the suite's
+wall time less its ops' times, per op. The spread of an op class's rates is the interval.
+
+Calibration takes seconds; `rematlab.preflight.targets.calibrated` keeps its result on disk.
+The machine may be shared: rates are medians of repeats, and a busy machine is said
+(`watched`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rematlab.core.timer import watched
+from rematlab.preflight.roofline import LoggedOp, logged
+
+ROUNDS = 5  # the suite runs this many times after a warm-up; each op's median is kept
+SCALES = (1, 4)  # batch multipliers: small and larger kernels
+MIN_BYTES = 1 << 16  # an op moving less has no rate to speak of: its time is overhead
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).transpose(1, 3) \
+            .unbind(2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) \
+            .reshape(b, s, w)
+
+
+def _suite(scale: int, device: torch.device) -> list[tuple[nn.Module, torch.Tensor]]:
+    """(module, input) pairs whose forward and backward exercise the common aten ops."""
+    width = 256
+    tokens = torch.randn(8 * scale, 64, width)
+    pieces = [
+        (nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                       nn.Linear(4 * width, width), nn.Dropout(0.1)), tokens),
+        (nn.Sequential(nn.LayerNorm(width), _Attention(width, 4), nn.Softmax(-1)), tokens),
+        (nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                       nn.MaxPool2d(2), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(inplace=True),
+                       nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(512, 10),
+                       nn.LogSoftmax(-1)), torch.randn(4 * scale, 16, 32, 32)),
+        (nn.Sequential(nn.Embedding(4096, width), nn.SiLU(), nn.Linear(width, 4096),
+                       nn.LogSoftmax(-1)), torch.randint(0, 4096, (4 * scale, 64))),
+    ]
+    return [(m.to(device), x.to(device)) for m, x in pieces]
+
+
+class _OpTimer(TorchDispatchMode):
+    """Seconds inside every op (the device synchronised around it), beside the op's log."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        super().__init__()
+        self.sync = sync
+        self.ops: list[LoggedOp] = []
+        self.seconds: list[float] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        took = time.perf_counter() - t0
+        op = logged(func, args, kwargs or {}, out)
+        if op is not None:
+            self.ops.append(op)
+            self.seconds.append(took)
+        return out
+
+
+def _step(module: nn.Module, x: torch.Tensor) -> None:
+    out = module(x)
+    (out.float().square().mean() if out.is_floating_point() else out.sum()).backward()
+
+
+def measure(kind: str = "cpu") -> dict:
+    """The fields of a `rematlab.preflight.targets.Target` for this machine's CPU, or the GPU
+    here (see module docstring)."""
+    device = torch.device("cuda" if kind == "cuda" else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    walls, kernels, counts = [], [], []
+    with watched("the roofline's calibration kernels"):
+        for scale in SCALES:
+            for module, x in _suite(scale, device):
+                _step(module, x)  # warm-up
+                for _ in range(ROUNDS):
+                    timer = _OpTimer(sync)
+                    with timer:
+                        _step(module, x)
+                    sync()
+                    t0 = time.perf_counter()
+                    _step(module, x)
+                    sync()
+                    walls.append(time.perf_counter() - t0)
+                    kernels.append(sum(timer.seconds))
+                    counts.append(len(timer.seconds))
+                    for op, took in zip(timer.ops, timer.seconds, strict=True):
+                        if op.nbytes >= MIN_BYTES:  # a tiny op's time is all fixed cost
+                            samples[op.name].append((op.kind, (op.flops or op.nbytes) / took))
+        low = _matmul_rate(device, torch.bfloat16, sync)
+    overhead = max(0.0, statistics.median((w - k) / n for w, k, n in
+                                          zip(walls, kernels, counts, strict=True)))
+    rates = {name: statistics.median(r for _, r in rows) for name, rows in samples.items()}
+    mm32 = [rates[n] for n, rows in samples.items() if rows[0][0] == "matmul"]
+    moves = [rates[n] for n, rows in samples.items() if rows[0][0] == "vector"]
+    memory = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
+              else _host_memory())
+    return dict(
+        name=kind, kind=device.type, memory=memory,
+        flops={"float32": statistics.median(mm32), "bfloat16": low, "float16": low},
+        vector={"float32": 1e30, "bfloat16": 1e30, "float16": 1e30},  # priced by bytes
+        bandwidth=statistics.median(moves),
+        overhead=(overhead / 2, overhead, 2 * overhead),
+        efficiency=_spread(mm32), bandwidth_efficiency=_spread(moves),
+        source=f"measured on this machine ({torch.get_num_threads()} threads, torch "
+               f"{torch.__version__})",
+        calibrated=True, extra={"rates": rates})
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]
+                 ) -> float:
+    """FLOP/s of a 256-square matmul in `dtype` (the suite runs fp32; a CPU without native
+    bf16 runs bf16 matmuls far slower, which a plan in bf16 must know)."""
+    a = torch.randn(256, 256, device=device).to(dtype)
+    a @ a
+    times = []
+    for _ in range(ROUNDS):
+        sync()
+        t0 = time.perf_counter()
+        a @ a
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * 256 ** 3 / statistics.median(times)
+
+
+def _spread(rates: list[float]) -> tuple[float, float, float]:
+    """(slowest, typical, fastest) as fractions of the median rate, the extremes pulled in
+    to the quartiles: one odd op should not widen every interval."""
+    qs = statistics.quantiles(rates, n=4) if len(rates) > 1 else [rates[0]] * 3
+    mid = statistics.median(rates)
+    return (qs[0] / mid, 1.0, qs[2] / mid)
+
+
+def _host_memory() -> int:
+    """This machine's RAM, from /proc/meminfo (what a CPU plan can at most use)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,120 @@
+"""Models and batches made of fake tensors: shapes, dtypes and storage sizes without data.
+
+A fake tensor (`torch._subclasses.FakeTensorMode`) runs every op's shape logic and nothing
+else, on the device it claims: on "cpu" the dispatcher picks the kernels a real CPU step runs
+(its fused attention, its saved tensors), which a meta tensor does not (meta attention runs
+the unfused math path and saves the probabilities). Autograd, saved-tensor hooks and dispatch
+modes see fake tensors as real ones, so the profilers that measure a block
+(`rematlab.remat.chain.profile_block`) measure its fake twin byte for byte.
+
+`fake_copy` turns a model — real, or built on the meta device so that its weights were never
+allocated — into a fake twin sharing no storage with it. A batch may be real tensors or meta
+tensors (shapes only); it becomes fake likewise.
+
+CUDA cannot be faked on a build without CUDA. A CUDA target is profiled as CPU fake tensors,
+with attention routed to the kernels CUDA picks (`cuda_attention`): flash attention for
+half-precision inputs without a mask, memory-efficient attention otherwise; they save the
+inputs, the output and a log-sum-exp, not the probabilities.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+from rematlab.core.batch import Batch, map_tensors
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+class FakeSession:
+    """A fake-tensor mode and what was made fake in it (see module docstring). Enter it
+    around everything that runs the fake twins; `cuda` routes attention as CUDA would."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.cuda = cuda
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self.mode, (CudaAttention() if self.cuda else contextlib.nullcontext()):
+            yield
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake tensor shaped like `t` (real or meta) on the CPU."""
+        with self.mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(fake, requires_grad=t.requires_grad)
+        return fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake
+
+    def batch(self, batch: Batch) -> Batch:
+        """The batch's fake twin; one tensor given twice (labels that are the input ids)
+        stays one."""
+        made: dict[int, torch.Tensor] = {}
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in made:
+                made[id(t)] = self.tensor(t)
+            return made[id(t)]
+        return map_tensors(one, batch)
+
+    def model(self, module: nn.Module) -> nn.Module:
+        """`module`'s fake twin: every parameter, buffer and tensor attribute faked (tied
+        weights stay tied), the rest deep-copied."""
+        memo: dict[int, Any] = {}
+        for t in [*module.parameters(), *module.buffers(), *_tensor_attributes(module)]:
+            if id(t) not in memo:
+                memo[id(t)] = self.tensor(t)
+        return copy.deepcopy(module, memo)
+
+
+def _tensor_attributes(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Plain tensors held as module attributes (caches of rotary tables, masks)."""
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+class CudaAttention(TorchFunctionMode):
+    """`scaled_dot_product_attention` as CUDA runs it (see module docstring): its fused
+    kernels' aten ops, which have fake implementations and autograd formulas, in place of
+    the CPU's choice."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return _cuda_sdpa(*args, **kwargs)
+
+
+def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if attn_mask is None and half and query.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, scale=scale)[0]
+    bias = attn_mask
+    if bias is not None and bias.dtype == torch.bool:
+        bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
+    if bias is not None:
+        bias = bias.expand(*query.shape[:-1], key.shape[-2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]

@@ -1,0 +1,239 @@
+"""The devices a plan can be made for without running on them: what each holds and how fast
+it computes and moves bytes, for the roofline (`rematlab.preflight.roofline`).
+
+GPU figures are the vendors' data-sheet peaks (dense, no sparsity); `memory` is what the
+driver reports as the card's total (what `torch.cuda.mem_get_info` returns), not the marketing
+"80 GB". A data-sheet peak is never reached: `efficiency` gives the fraction of it that real
+kernels reach (slowest, typical, fastest), so a predicted time is an interval. The typical
+fractions (60 % of matmul peak, 75 % of bandwidth) are what cuBLAS GEMMs of a transformer's
+sizes and PyTorch's elementwise kernels reach on these cards; `rematlab.preflight.calibrate`
+measures them on a device that is present instead.
+
+On a CUDA target the allocator adds to the tensors (`rematlab.preflight.allocator`): every
+block is a multiple of 512 bytes (`unit`), the CUDA context lives outside the allocator
+(`context`, which the budget loses), and cuBLAS keeps a workspace inside it (`workspace`,
+counted as resident).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from rematlab.core.files import cache_dir, write_text
+from rematlab.core.units import parse_bytes
+from rematlab.exceptions import ConfigError
+from rematlab.preflight.calibrate import measure
+from rematlab.preflight.roofline import LoggedOp
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device to plan for. `flops` maps a dtype name to peak matmul FLOP/s, `vector` to
+    peak elementwise FLOP/s; `bandwidth` is memory bytes/s; `overhead` seconds per op (launch
+    and dispatch); `efficiency` and `bandwidth_efficiency` the (slowest, typical, fastest)
+    fractions of those peaks reached. `calibrated`: the figures were measured here."""
+
+    name: str
+    kind: str  # "cpu" or "cuda" (ROCm runs through torch.cuda too)
+    memory: int
+    flops: dict[str, float]
+    vector: dict[str, float]
+    bandwidth: float
+    overhead: tuple[float, float, float]
+    efficiency: tuple[float, float, float] = (0.35, 0.6, 0.8)
+    bandwidth_efficiency: tuple[float, float, float] = (0.5, 0.75, 0.9)
+    context: int = 0
+    workspace: int = 0
+    source: str = ""
+    calibrated: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def unit(self) -> int:
+        """Allocation granularity: the CUDA caching allocator's 512-byte blocks."""
+        return 512 if self.kind == "cuda" else 1
+
+    @property
+    def usable(self) -> int:
+        """Bytes the allocator can hand out: the card less the CUDA context."""
+        return self.memory - self.context
+
+    def matmul_rate(self, dtype: str) -> float:
+        return self.flops.get(dtype, self.flops["float32"])
+
+    def vector_rate(self, dtype: str) -> float:
+        return self.vector.get(dtype, self.vector["float32"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, vector32: float,
+         bandwidth: float, source: str, workspace: int = 32 * MiB) -> Target:
+    tera = 1e12
+    return Target(
+        name=name, kind="cuda", memory=memory_mib * MiB,
+        flops={"float32": fp32 * tera, "bfloat16": bf16 * tera, "float16": bf16 * tera},
+        vector={"float32": vector32 * tera, "bfloat16": 2 * vector32 * tera,
+                "float16": 2 * vector32 * tera},
+        bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6),
+        context=CUDA_CONTEXT, workspace=workspace, source=source)
+
+
+# The CUDA context (driver, kernels of torch's libraries loaded lazily) on CUDA 12 with lazy
+# module loading, as `nvidia-smi` shows it for a process that has run a training step:
+# 400-600 MiB on A100/H100. It is outside the caching allocator; 512 MiB is budgeted.
+CUDA_CONTEXT = 512 * MiB
+
+# Data sheets (dense tensor-core peaks; FP32 is non-tensor FP32, which PyTorch uses for fp32
+# matmuls unless TF32 is switched on):
+PROFILES: dict[str, Target] = {t.name: t for t in (
+    _gpu("a100-80gb", 81920, 19.5, 312, 19.5, 2.039e12,
+         "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 "
+         "TFLOPS, HBM2e 2,039 GB/s", workspace=8 * MiB),
+    _gpu("h100-80gb", 81559, 67, 989.4, 67, 3.35e12,
+         "NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOPS, BF16 989 TFLOPS "
+         "(1,979 with sparsity), HBM3 3.35 TB/s"),
+    _gpu("h200", 143771, 67, 989.4, 67, 4.8e12,
+         "NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOPS, BF16 989 TFLOPS, "
+         "HBM3e 141 GB at 4.8 TB/s"),
+    _gpu("rtx4090", 24564, 82.6, 165.2, 82.6, 1.008e12,
+         "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GeForce RTX 4090): "
+         "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s",
+         workspace=8 * MiB),
+    _gpu("mi300x", 196608, 163.4, 1307.4, 163.4, 5.3e12,
+         "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
+         " HBM3 192 GB at 5.3 TB/s", workspace=8 * MiB),
+)}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090",
+           "rtx-4090": "rtx4090", "mi300": "mi300x", "h200-141gb": "h200"}
+
+
+BOUNDS = {"slow": 0, "typical": 1, "fast": 2}
+
+
+def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> float:
+    """The roofline time of `ops` on `target` at one of its efficiency bounds: an op whose
+    rate was calibrated (`Target.extra["rates"]`, by op name) at that rate, any other at its
+    class's peak times the target's efficiency."""
+    i = BOUNDS[bound]
+    eff, beff = target.efficiency[i], target.bandwidth_efficiency[i]
+    measured = target.extra.get("rates", {})
+    total = 0.0
+    for op in ops:
+        rate = measured.get(op.name)
+        if op.kind == "vector":
+            by_bytes = op.nbytes / ((rate or target.bandwidth) * beff)
+            by_flops = op.flops / (target.vector_rate(op.dtype) * eff) if op.flops else 0.0
+            took = max(by_bytes, by_flops)
+        else:
+            peak = target.matmul_rate(op.dtype)
+            if rate is None or op.dtype != "float32":  # calibrated in fp32
+                rate = peak * (target.extra.get("conv", 1.0) if op.kind == "conv" else 1.0)
+            took = max(op.flops / (rate * eff), op.nbytes / (target.bandwidth * beff))
+        total += took + target.overhead[2 - i]
+    return total
+
+
+def interval(ops: list[LoggedOp], target: Target) -> tuple[float, float, float]:
+    """(fastest, typical, slowest) seconds of `ops` on `target`."""
+    return (seconds(ops, target, "fast"), seconds(ops, target, "typical"),
+            seconds(ops, target, "slow"))
+
+
+def resolve_target(target: str | Target | dict | None, device_type: str = "cpu") -> Target:
+    """A `Target` from a profile name (`PROFILES`, or "cpu": this machine, calibrated), a
+    JSON file of a profile the user gives, a dict of its fields, or None: the device the
+    example batch is on (this CPU; a present GPU, calibrated)."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, dict):
+        return _from_fields(target, "the given target")
+    if target is None:
+        target = "cpu" if device_type != "cuda" else "cuda"
+    name = ALIASES.get(target.lower(), target.lower())
+    if name in ("cpu", "cuda"):
+        return calibrated(name)
+    if name in PROFILES:
+        return PROFILES[name]
+    path = Path(target)
+    if path.suffix == ".json":
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the target profile {target}: {exc}") from None
+        return _from_fields(fields, str(path))
+    raise ConfigError(f"unknown target {target!r}: choose cpu, cuda (the GPU here), "
+                      f"{', '.join(PROFILES)}, or a profile.json")
+
+
+def _from_fields(fields: dict, where: str) -> Target:
+    """A user's profile: name, kind, memory (bytes or '24GiB'), flops and bandwidth needed;
+    the rest as a GPU's defaults."""
+    need = {"name", "memory", "flops", "bandwidth"}
+    if not isinstance(fields, dict) or not need <= fields.keys():
+        raise ConfigError(f"{where}: a target profile needs {sorted(need)}")
+    kind = fields.get("kind", "cuda")
+    memory = fields["memory"]
+    flops = fields["flops"]
+    if isinstance(flops, (int, float)):
+        flops = {"float32": float(flops)}
+    try:
+        base = _gpu(str(fields["name"]), 0, 1, 1, 1, 1.0, str(fields.get("source", where)))
+        known = {k: v for k, v in fields.items() if k in Target.__dataclass_fields__}
+        return Target(**{
+            **asdict(base), "kind": kind, "context": 0 if kind == "cpu" else base.context,
+            **known,
+            "memory": parse_bytes(memory) if isinstance(memory, str) else int(memory),
+            "flops": {k: float(v) for k, v in flops.items()},
+            "vector": {k: float(v) for k, v in fields.get("vector", flops).items()},
+            "overhead": tuple(fields.get("overhead", base.overhead)),
+            "efficiency": tuple(fields.get("efficiency", base.efficiency)),
+            "bandwidth_efficiency": tuple(fields.get("bandwidth_efficiency",
+                                                     base.bandwidth_efficiency)),
+        })
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: bad target profile: {exc}") from None
+
+
+@functools.cache
+def calibrated(kind: str = "cpu") -> Target:
+    """This machine's CPU, or the GPU here, as a measured `Target`
+    (`rematlab.preflight.calibrate`), kept in the cache folder (`rematlab.core.files.cache_dir`)
+    per device model, thread count and torch version: delete the file to calibrate again."""
+    path = cache_dir() / f"roofline-{_machine(kind)}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        fields = json.loads(path.read_text())
+        return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES}})
+    target = Target(**measure(kind), context=CUDA_CONTEXT if kind == "cuda" else 0)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(target.to_dict()))
+    return target
+
+
+_TUPLES = ("overhead", "efficiency", "bandwidth_efficiency")
+
+
+def _machine(kind: str) -> str:
+    """A file-name-safe key for the device the rates are measured on."""
+    if kind == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1] for line in f
+                         if line.startswith("model name")), name)
+    key = f"{kind}-{name.strip()}-{torch.get_num_threads()}t-torch{torch.__version__}"
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", key)
