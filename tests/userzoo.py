@@ -153,3 +153,14 @@ def narrow_cnn() -> nn.Sequential:
               for i in range(8)]
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
     return nn.Sequential(*blocks, head)
+
+
+def meta_llama() -> nn.Module:
+    """A small Llama built on the meta device: no weight is allocated (pre-flight planning)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                      max_position_embeddings=128)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)

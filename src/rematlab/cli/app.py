@@ -64,6 +64,12 @@ Example = Annotated[str | None, typer.Option(
          "attention_mask, labels); modules resolve from the current directory")]
 Optimizer = Annotated[str, typer.Option(
     help="sgd, momentum, adam, adamw, mixed-adamw (AdamW state in fp32), none")]
+Target = Annotated[str | None, typer.Option(
+    help="with --predict: the device planned for: cpu (this machine, calibrated), cuda (the "
+         "GPU here), a100-80gb, h100-80gb, h200, rtx4090, mi300x, or a profile.json")]
+WeightDtype = Annotated[str, typer.Option(help="the model's weights: float32, bfloat16, ...")]
+Lora = Annotated[int | None, typer.Option(
+    help="freeze the model and train LoRA adapters of this rank (peft when installed)")]
 Blocks = Annotated[str | None, typer.Option(
     help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
 

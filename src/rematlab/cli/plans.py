@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,8 +17,11 @@ from rematlab.cli.app import (
     InputDtype,
     InputScale,
     InputShape,
+    Lora,
     Optimizer,
+    Target,
     Vocab,
+    WeightDtype,
     _print_json,
     _shape,
     app,
@@ -107,7 +111,11 @@ def plan_cmd(
     blocks: Blocks = None,
     device: str = "cpu",
     optimizer: Optimizer = "momentum",
-    predict: Annotated[bool, typer.Option(help="plan from meta-device costs, run nothing")] = False,
+    dtype: WeightDtype = "float32",
+    lora: Lora = None,
+    predict: Annotated[bool, typer.Option(
+        help="plan without running: fake-tensor costs, roofline times on --target")] = False,
+    target: Target = None,
     compile: Annotated[bool, typer.Option(
         "--compile", help="plan for torch.compile(apply(model, plan)): compiled costs")] = False,
     ops: Annotated[bool, typer.Option(
@@ -118,25 +126,22 @@ def plan_cmd(
 ) -> None:
     """The fastest checkpointing plan whose whole-step peak fits the budget (or each of
     several budgets, from one profile)."""
-    from rematlab.core.batch import make_example
-    from rematlab.measurement import zoo
-    from rematlab.measurement.spec import available, parse_device
     from rematlab.planning.planner import prepare
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
     if ops and (compile or predict):
         raise ConfigError("--ops plans are measured eager: not with --predict or --compile")
+    if target is not None and not predict:
+        raise ConfigError("--target is for plans made without running: add --predict")
     wanted = _budget_list(budget, budgets)
     if out is not None and len(wanted) > 1:
         raise ConfigError("--out writes one plan: give one --budget")
-    dev = available(parse_device(device))
-    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
-    x = make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example,
-                     device=dev)
-    planning = prepare(net.to(dev).train(), x, optimizer=None if optimizer == "none"
-                       else optimizer, blocks=blocks or None, predict=predict, compile=compile,
-                       ops=ops)
+    net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
+                                      device, dtype, lora, predict)
+    planning = prepare(net, batches(batch), optimizer=None if optimizer == "none" else optimizer,
+                       blocks=blocks or None, predict=predict, target=target,
+                       compile=compile, ops=ops)
     summaries = [_plan_summary(planning, b) for b in wanted]
     if out is not None:
         write_text(out, json.dumps(summaries[0]["plan_json"]))
@@ -146,6 +151,9 @@ def plan_cmd(
                      "curve": planning.curve()})
         return
     console.print(f"{type(net).__name__}: {planning.structure.describe()}")
+    if planning.target is not None:
+        console.print(f"predicted for {planning.target.name}, nothing run "
+                      f"({planning.target.source})")
     if len(summaries) > 1:
         _print_budget_table(summaries)
     else:
@@ -154,6 +162,47 @@ def plan_cmd(
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
     if compile:
         console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
+
+
+def _model_and_batches(model: str, input: str | None, input_shape: str | None,
+                       input_dtype: str, vocab: int | None, example: str | None, device: str,
+                       dtype: str, lora: int | None, predict: bool
+                       ) -> tuple[Any, Callable[[int], Any]]:
+    """The model (in `dtype`, with LoRA adapters of rank `lora`) and a factory of its example
+    batches by size, on `device`; when predicting, the model is left where its factory built
+    it (the meta device, for a model too large for this machine) and batches are made of
+    shapes only (meta tensors).
+    Integer inputs are token ids: a model that takes `labels` gets them (the ids), so that
+    its loss — the logits' upcast to fp32 included — is in the step."""
+    import inspect
+
+    import torch
+
+    from rematlab.core.batch import DTYPES, FLOAT_DTYPES, make_example
+    from rematlab.core.lora import add_lora
+    from rematlab.measurement import zoo
+    from rematlab.measurement.spec import available, parse_device
+
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(FLOAT_DTYPES)}")
+    dev = torch.device("meta") if predict else available(parse_device(device))
+    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
+    net = net.to(FLOAT_DTYPES[dtype])
+    if lora is not None:
+        net = add_lora(net, lora)
+    if not predict:
+        net = net.to(dev)
+    tokens = (example is None and input_dtype in DTYPES
+              and not DTYPES[input_dtype].is_floating_point
+              and "labels" in inspect.signature(net.forward).parameters)
+
+    def batches(size: int) -> Any:
+        x = make_example(size, shape, input_dtype=input_dtype, vocab=vocab, example=example,
+                         device=None if predict else dev, shapes_only=predict)
+        return {"input_ids": x, "labels": x} if tokens else x
+
+    batches(2)  # bad input fails here, before any work
+    return net.train(), batches
 
 
 def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
@@ -178,6 +227,9 @@ def _plan_summary(planning: Any, budget: str) -> dict:
             "predicted_peak": chosen.predicted_peak,
             "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
             "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0]["time"]),
+            "overhead_interval": (list(planning.overhead_interval(chosen))
+                                  if planning.target is not None else None),
+            "target": planning.target.name if planning.target is not None else None,
             "baselines": rows, "plan_json": json.loads(chosen.to_json())}
 
 
@@ -191,7 +243,9 @@ def _print_plan(summary: dict, budget: str | None) -> None:
                      if summary["measured_peak"] else "")
                   + f" (budget {format_bytes(limit)}, floor "
                   f"{format_bytes(summary['min_peak'] or 0)});"
-                  f" predicted time overhead {summary['predicted_overhead']:+.1%}")
+                  f" predicted time overhead {summary['predicted_overhead']:+.1%}"
+                  + (" ({:+.1%} to {:+.1%})".format(*summary["overhead_interval"])
+                     if summary["overhead_interval"] else ""))
     table = Table(title="versus fixed strategies (simulated)")
     for col in ("strategy", "peak", "x none", "time overhead", "fits"):
         table.add_column(col, justify="right")
@@ -230,36 +284,38 @@ def max_batch_cmd(
     blocks: Blocks = None,
     device: str = "cpu",
     optimizer: Optimizer = "momentum",
+    dtype: WeightDtype = "float32",
+    lora: Lora = None,
+    predict: Annotated[bool, typer.Option(
+        help="predict without running: fake-tensor costs, roofline times on --target")]
+    = False,
+    target: Target = None,
     limit: Annotated[int, typer.Option(help="largest batch size tried")] = 65536,
     repeats: Annotated[int, typer.Option(help="timed steps per result (0: no timing)")] = 5,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The largest batch that fits the budget without remat and with the optimal plan, and
     the throughput (samples/s) of each: does remat pay off for this model?"""
-    from rematlab.core.batch import make_example
-    from rematlab.measurement import zoo
-    from rematlab.measurement.spec import available, parse_device
     from rematlab.planning.maxbatch import max_batch
 
     budget = checked(budget)
     if batch < 2:
         raise ConfigError(f"--batch must be at least 2 (the search profiles it and twice it), "
                           f"got {batch}")
-    dev = available(parse_device(device))
-    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
-    make_example(batch, shape, input_dtype=input_dtype, vocab=vocab, example=example)
-
-    def factory(size: int) -> Any:
-        return make_example(size, shape, input_dtype=input_dtype, vocab=vocab,
-                            example=example, device=dev)
-
-    found = max_batch(net.to(dev).train(), factory, budget, start=batch, limit=limit,
+    if target is not None and not predict:
+        raise ConfigError("--target is for searches made without running: add --predict")
+    net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
+                                      device, dtype, lora, predict)
+    found = max_batch(net, batches, budget, start=batch, limit=limit,
                       optimizer=None if optimizer == "none" else optimizer,
-                      blocks=blocks or None, repeats=repeats)
+                      blocks=blocks or None, repeats=repeats, predict=predict, target=target)
     if as_json:
         _print_json(found.to_dict())
         return
     console.print(f"budget {format_bytes(found.budget.nbytes)}: {found.budget.how}")
+    if found.target is not None:
+        console.print(f"predicted for {found.target}: fake-tensor costs and roofline step "
+                      "times, nothing run")
     table = Table(title=f"{model}: the largest batch within the budget")
     for col in ("remat", "batch", "measured peak", "batch+1 peak", "step", "samples/s",
                 "plan"):

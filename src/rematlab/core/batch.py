@@ -112,9 +112,10 @@ def batch_bytes(batch: Batch) -> int:
 def make_example(batch: int, shape: tuple[int, ...] | None = None, *,
                  input_dtype: str = "float32", vocab: int | None = None,
                  example: str | None = None, device: torch.device | None = None,
-                 seed: int = 0) -> Batch:
+                 seed: int = 0, shapes_only: bool = False) -> Batch:
     """A synthetic batch: `example(batch)` from a user's factory (any batch form), or a tensor
-    of `(batch, *shape)` — normal floats, or token ids below `vocab` for an integer dtype."""
+    of `(batch, *shape)` — normal floats, or token ids below `vocab` for an integer dtype;
+    with `shapes_only`, that tensor on the meta device (a batch to plan for, not to run)."""
     bounded("batch", batch, MAX_BATCH_SIZE)
     if vocab is not None:
         bounded("vocab", vocab, MAX_VOCAB)
@@ -135,6 +136,8 @@ def make_example(batch: int, shape: tuple[int, ...] | None = None, *,
         raise ConfigError(f"integer inputs ({input_dtype}) need a vocabulary size, e.g. "
                           "--vocab 50257")
     try:
+        if shapes_only:
+            return torch.empty(batch, *shape, dtype=dtype, device="meta")
         if dtype.is_floating_point:
             x = torch.randn(batch, *shape, generator=gen).to(dtype)
         else:

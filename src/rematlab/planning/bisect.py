@@ -17,6 +17,8 @@ def scaled(low: ChainCosts, b_low: int, high: ChainCosts, b_high: int, batch: in
     w = (batch - b_low) / (b_high - b_low)
 
     def at(a: Any, b: Any) -> Any:
+        if isinstance(a, tuple) and all(isinstance(v, float) for v in a):  # a time interval
+            return tuple(at(x, y) for x, y in zip(a, b, strict=True))
         if isinstance(a, (bool, str, tuple)):
             return b
         if isinstance(a, Option):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -45,90 +45,19 @@ from rematlab.core.steps import LossFn, is_oom, preserved, train_step
 from rematlab.core.timer import Timer, Timing, Turns
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
+from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
-from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
+from rematlab.planning.budget import checked, is_auto, resolve_budget
 from rematlab.planning.planner import Planning, prepare, resident
+from rematlab.planning.preflight import target_budget
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, simulate
 from rematlab.plans.solver import solve
+from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.strategies import apply
 
-CASES = ("none", "optimal")
 MAX_BATCH = 1 << 20
-
-
-@dataclass(frozen=True)
-class BatchFit:
-    """The largest batch found for one case (`none`: no remat; `optimal`: the fastest plan
-    within the budget at that batch), measured.
-
-    `batch` fits and `batch + 1` does not (`over`: its measured peak, for `optimal` that of
-    its floor plan, the smallest any plan reaches), unless `at_limit` (the search stopped
-    at its upper limit). `estimate` is the cost model's answer before confirmation;
-    `measured` how many batch sizes were measured to confirm it. `step_s` is the median of
-    `repeats` timed steps after warm-up, `step_iqr` their spread; `throughput` samples per
-    second at the median."""
-
-    case: str
-    batch: int
-    peak: int | None
-    over: int | None
-    estimate: int
-    measured: int
-    at_limit: bool
-    plan: str | None = None
-    step_s: float | None = None
-    step_iqr: float | None = None
-    repeats: int = 0
-    throughput: float | None = None
-
-
-@dataclass(frozen=True)
-class BatchSearch:
-    """Both cases at one budget; `search_s` is the wall time of finding the batches, `timing_s`
-    of timing them."""
-
-    budget: DeviceBudget
-    fits: list[BatchFit]
-    search_s: float
-    timing_s: float
-    evidence: Evidence | None = None  # the guard's, over the side-by-side timing
-
-    def fit(self, case: str) -> BatchFit:
-        return next(f for f in self.fits if f.case == case)
-
-    def verdict(self) -> str:
-        """One line: how much larger a batch the plan allows, at what throughput."""
-        cases = {f.case: f for f in self.fits}
-        if set(cases) != set(CASES):
-            return ""
-        none, best = cases["none"], cases["optimal"]
-        if best.batch == 0:
-            return "not even one sample fits the budget, with or without remat"
-        if best.batch <= none.batch:
-            return (f"remat enables no larger batch ({none.batch}); without it the step is "
-                    f"not slowed")
-        gain = f"remat fits {best.batch} samples per step against {none.batch}"
-        if none.batch == 0:
-            return gain + ": without it not even one sample fits"
-        gain += f" (+{best.batch / none.batch - 1:.0%})"
-        if best.throughput and none.throughput:
-            ratio = best.throughput / none.throughput
-            return gain + (f", at {ratio:.2f}x the throughput of the largest batch without "
-                           f"it: remat {'pays' if ratio > 1 else 'does not pay'} in "
-                           f"samples/s")
-        return gain
-
-    def to_dict(self) -> dict:
-        return {"budget": self.budget.nbytes, "budget_source": self.budget.how,
-                "search_s": self.search_s, "timing_s": self.timing_s,
-                "fits": [asdict(f) for f in self.fits],
-                "timing": "full training steps (forward, loss, backward, optimizer) after "
-                          "warm-up, side by side in interleaved rounds under the "
-                          "interference guard; median and IQR of repeats, device "
-                          "synchronised",
-                **(self.evidence.columns() if self.evidence else {})}
 
 
 class _Searcher:
@@ -136,11 +65,16 @@ class _Searcher:
 
     def __init__(self, model: nn.Module, make: Callable[[int], Batch], start: int, limit: int,
                  budget: str | int, optimizer: str | None, blocks: Any,
-                 loss_fn: LossFn | None, ops: bool = False) -> None:
+                 loss_fn: LossFn | None, ops: bool = False, target: Target | None = None
+                 ) -> None:
         self.model, self.make, self.start, self.limit = model, make, start, limit
         self.optimizer, self.blocks, self.loss_fn, self.ops = optimizer, blocks, loss_fn, ops
+        self.target = target  # predicted for it, nothing measured (`rematlab.preflight`)
         self.device = next(tensors(make(1))).device
-        self.budget = resolve_budget(budget, self.device, resident(model))  # batches come later
+        if target is not None and target.kind == "cuda" and is_auto(budget):
+            self.budget = target_budget(target)
+        else:  # batches come later
+            self.budget = resolve_budget(budget, self.device, resident(model))
         self.plannings: dict[int, Planning] = {}
         for b in (start, 2 * start):
             self.planning(b)
@@ -150,8 +84,9 @@ class _Searcher:
         self.evidence: Evidence | None = None
 
     def _kw(self) -> dict:
+        predicted = {"predict": True, "target": self.target} if self.target else {}
         return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn,
-                "ops": self.ops}
+                "ops": self.ops, **predicted}
 
     def planning(self, batch: int) -> Planning:
         """The model profiled and solved at `batch` on the device, cached without its batch:
@@ -254,6 +189,24 @@ class _Searcher:
             b = nxt
         return b
 
+    def predicted(self, case: str) -> BatchFit:
+        """The cost model's largest batch, re-profiled near its answer (`estimate`), with the
+        predicted step time of its plan (`optimal`: the fastest within the budget) and the
+        predicted peak one sample above: nothing is measured."""
+        batch = self.estimate(case)
+        if batch < 1:
+            return BatchFit(case=case, batch=0, peak=None, over=self.modelled(case, 1),
+                            estimate=0, measured=0, at_limit=False)
+        costs = self.costs(batch)
+        chosen = (none_plan(costs.n) if case == "none" else
+                  solve(costs, layers=self.layers).plan_for(self.budget.nbytes))
+        peak, step = simulate(chosen, costs)
+        return BatchFit(case=case, batch=batch, peak=peak,
+                        over=None if batch >= self.limit else self.modelled(case, batch + 1),
+                        estimate=batch, measured=0, at_limit=batch >= self.limit,
+                        plan=chosen.describe() if case == "optimal" else None, step_s=step,
+                        throughput=batch / step if step > 0 else None)
+
     def find(self, case: str) -> BatchFit:
         estimate = self.estimate(case)
         before = len(self.seen)
@@ -354,6 +307,8 @@ def max_batch(
     warmup: int = 2,
     repeats: int = 5,
     ops: bool = False,
+    predict: bool = False,
+    target: str | Target | dict | None = None,
 ) -> BatchSearch:
     """The largest batch whose training step fits `budget` (bytes, '8GiB' or 'auto'), for
     each of `cases` ('none': the model as it is; 'optimal': the fastest plan within the budget
@@ -363,7 +318,9 @@ def max_batch(
     a factory `size -> batch`; the cost model is profiled at `start` (default: the example's
     batch size, or 8 for a factory) and twice it. The other keywords are `rematlab.plan`'s
     (`ops`: op-level options, kept where both profiled batches offer them); `repeats=0`
-    skips the timing."""
+    skips the timing. With `predict`, nothing runs (`rematlab.preflight`): the batches are
+    the cost model's for `target`, profiled on fake twins near the answer, and each step
+    time is the target's roofline prediction."""
     budget = checked(budget)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"max_batch() needs an nn.Module, got {type(model).__name__}")
@@ -382,11 +339,14 @@ def max_batch(
     if start < 2:
         raise ConfigError(f"start must be at least 2 (profiled with twice it), got {start}")
     t0 = time.perf_counter()
+    if target is not None and not predict:
+        raise ConfigError("a target is planned for without running (predict=True)")
+    tgt = resolve_target(target, dev.type if dev is not None else "cpu") if predict else None
     searcher = _Searcher(model, make, min(start, limit), limit, budget, optimizer, blocks,
-                         loss_fn, ops)
-    found = [searcher.find(case) for case in cases]
+                         loss_fn, ops, tgt)
+    found = [searcher.predicted(case) if predict else searcher.find(case) for case in cases]
     t1 = time.perf_counter()
-    if repeats:
+    if repeats and not predict:
         found = searcher.timed(found, warmup, repeats)
     return BatchSearch(searcher.budget, found, t1 - t0, time.perf_counter() - t1,
-                       searcher.evidence)
+                       searcher.evidence, tgt.name if tgt is not None else None)

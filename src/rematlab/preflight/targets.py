@@ -180,7 +180,7 @@ def resolve_target(target: str | Target | dict | None, device_type: str = "cpu")
 
 def _from_fields(fields: dict, where: str) -> Target:
     """A user's profile: name, kind, memory (bytes or '24GiB'), flops and bandwidth needed;
-    the rest as a GPU's defaults."""
+    the rest as a GPU's defaults (a CPU has no CUDA context and no cuBLAS workspace)."""
     need = {"name", "memory", "flops", "bandwidth"}
     if not isinstance(fields, dict) or not need <= fields.keys():
         raise ConfigError(f"{where}: a target profile needs {sorted(need)}")
@@ -193,7 +193,8 @@ def _from_fields(fields: dict, where: str) -> Target:
         base = _gpu(str(fields["name"]), 0, 1, 1, 1, 1.0, str(fields.get("source", where)))
         known = {k: v for k, v in fields.items() if k in Target.__dataclass_fields__}
         return Target(**{
-            **asdict(base), "kind": kind, "context": 0 if kind == "cpu" else base.context,
+            **asdict(base), "kind": kind,
+            **({"context": 0, "workspace": 0} if kind == "cpu" else {}),
             **known,
             "memory": parse_bytes(memory) if isinstance(memory, str) else int(memory),
             "flops": {k: float(v) for k, v in flops.items()},

@@ -1,0 +1,268 @@
+"""Pre-flight (issue 28): plans and predictions without running, for targets that are not here
+and models that do not fit here. Fake-tensor costs must be the real run's bytes; a model on the
+meta device must plan without its weights; the CUDA allocator's rounding must follow its
+documented rules."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from rematlab.core.lora import LoRALinear, add_lora
+from rematlab.core.optimizers import MixedAdamW
+from rematlab.exceptions import ConfigError
+from rematlab.planning.maxbatch import max_batch
+from rematlab.planning.planner import prepare
+from rematlab.preflight import allocator
+from rematlab.preflight.targets import PROFILES, Target, interval, resolve_target
+from rematlab.remat.chain import profile_chain
+from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.structure import structure
+from tests import realzoo
+from tests.clirun import run
+
+# A target without calibration: these tests are about bytes, not times.
+PLAIN_CPU = {"name": "test-cpu", "kind": "cpu", "memory": "24GiB", "flops": 5e10,
+             "bandwidth": 1e10, "overhead": [1e-6, 2e-6, 4e-6]}
+BYTES = ("x", "saved", "keeps_input", "keeps_output", "fwd_mem", "grad", "base", "state",
+         "optimizer_peak")
+
+
+def _cnn() -> tuple[list[nn.Module], torch.Tensor]:
+    blocks = [nn.Sequential(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                            nn.ReLU()) for i in range(3)]
+    return [*blocks, nn.Sequential(nn.Flatten(), nn.Linear(8 * 16 * 16, 10))], \
+        torch.randn(4, 3, 16, 16)
+
+
+def _assert_same_bytes(real, fake, scratch: float = 0.05) -> None:
+    """Equal bytes; transient peaks within a few scalars (constants a fake run makes
+    differently), and backward's real peak above the fake one by at most `scratch`: the
+    allocator also sees kernels' scratch buffers, which no tensor holds."""
+    for key in BYTES:
+        if key == "fwd_mem":
+            for r, f in zip(real.fwd_mem, fake.fwd_mem, strict=True):
+                assert abs(r - f) <= 256
+        else:
+            assert getattr(fake, key) == getattr(real, key), key
+    for r, f in zip(real.bwd_mem, fake.bwd_mem, strict=True):
+        assert f - 256 <= r <= (1 + scratch) * f + 16384
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_fake_costs_of_a_chain_are_the_real_runs_bytes(kind):
+    if kind == "mlp":
+        blocks = [nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1))
+                  for _ in range(4)]
+        x = torch.randn(16, 32)
+    else:
+        blocks, x = _cnn()
+    real = profile_chain(blocks, x, optimizer="adam", repeats=1)
+    fake = profile_chain(blocks, x, optimizer="adam", target=resolve_target(PLAIN_CPU))
+    # oneDNN's convolution backward reorders whole tensors in scratch memory
+    _assert_same_bytes(real, fake, scratch=0.05 if kind == "mlp" else 1.0)
+    assert all(t > 0 for t in fake.fwd_time) and len(fake.fwd_range) == len(blocks)
+
+
+def test_fake_costs_of_gpt2_are_the_real_runs_bytes():
+    model, batch = realzoo.gpt2(batch=2, seq=16, layers=2)
+    model.train()
+    layers = structure(model, batch).blocks
+    real = profile_layers(model, batch, layers, optimizer="momentum", repeats=1)
+    fake = profile_layers(model, batch, layers, optimizer="momentum",
+                          target=resolve_target(PLAIN_CPU))
+    _assert_same_bytes(real, fake)
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+
+
+def _hwm_reset() -> int:
+    """Reset the process's resident high-water mark (VmHWM) to its current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmHWM")
+
+
+def _status(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_a_meta_model_plans_without_allocating_its_weights():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=6, hidden_size=2048, intermediate_size=8192,
+                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights > 1.5 * 2**30
+    ids = torch.empty(1, 64, dtype=torch.int64, device="meta")
+    before = _hwm_reset()
+    planning = prepare(model.train(), {"input_ids": ids, "labels": ids}, predict=True,
+                       target="a100-80gb", optimizer="adamw")
+    assert _status("VmHWM") - before < 0.25 * weights
+    assert planning.floor > 3 * weights  # weights, gradients and AdamW's two moments
+    assert planning.choose("auto").predicted_peak <= planning.budget("auto").nbytes
+
+
+def test_the_allocator_model_follows_the_documented_rules():
+    MiB = 1 << 20
+    assert [allocator.block(n) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
+    assert allocator.segment(1) == allocator.segment(MiB) == 2 * MiB
+    assert allocator.segment(MiB + 1) == allocator.segment(10 * MiB - 512) == 20 * MiB
+    assert allocator.segment(10 * MiB) == 10 * MiB
+    assert allocator.segment(11 * MiB + 1) == 12 * MiB
+    # three small tensors share one small segment; two medium ones one large segment
+    assert allocator.reserved_bounds([1000, 2000, 3000]) == 2 * MiB
+    assert allocator.reserved_bounds([3 * MiB, 4 * MiB, 11 * MiB]) == 20 * MiB + 12 * MiB
+
+
+def test_a_cuda_target_rounds_blocks_and_routes_attention_as_cuda_does():
+    model, batch = realzoo.llama(batch=2, seq=32, layers=2)
+    model = model.to(torch.bfloat16).train()
+    cpu = prepare(model, batch, predict=True, target=PLAIN_CPU)
+    gpu = prepare(model, batch, predict=True, target="h100-80gb")
+    assert all(x % 512 == 0 for x in gpu.costs.x)
+    assert gpu.costs.base >= cpu.costs.base + PROFILES["h100-80gb"].workspace
+    assert gpu.budget("auto").nbytes < PROFILES["h100-80gb"].usable
+    chosen = gpu.choose("auto")
+    fast, slow = gpu.interval(chosen)
+    assert fast <= chosen.predicted_time <= slow
+
+
+def test_targets_by_name_alias_and_profile(tmp_path):
+    assert resolve_target("H100").name == "h100-80gb"
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps({"name": "my-card", "memory": "12GiB", "flops": 3e13,
+                                "bandwidth": 5e11}))
+    card = resolve_target(str(path))
+    assert (card.kind, card.memory, card.unit) == ("cuda", 12 * 2**30, 512)
+    with pytest.raises(ConfigError, match="unknown target"):
+        resolve_target("tpu-v9")
+    with pytest.raises(ConfigError, match="needs"):
+        resolve_target({"name": "x"})
+
+
+def test_the_roofline_prices_compute_and_bytes_within_its_interval():
+    from rematlab.preflight.roofline import OpLog
+
+    log = OpLog()
+    a = torch.randn(256, 256)
+    with log:
+        (a @ a).relu()
+    kinds = [op.kind for op in log.ops]
+    assert kinds == ["matmul", "vector"]
+    h100 = PROFILES["h100-80gb"]
+    fast, typical, slow = interval(log.ops, h100)
+    assert 0 < fast < typical < slow
+    mm = log.ops[0]
+    assert typical >= mm.flops / (h100.flops["float32"] * h100.efficiency[1])
+
+
+def test_mixed_adamw_keeps_fp32_state_and_matches_adamw_on_fp32_weights():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64, 32))
+    ref = nn.Parameter(w.detach().clone())
+    ours, theirs = MixedAdamW([w], lr=1e-2), torch.optim.AdamW([ref], lr=1e-2)
+    for _ in range(3):
+        g = torch.randn(64, 32)
+        w.grad, ref.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(w, ref)
+    half = nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
+    opt = MixedAdamW([half])
+    half.grad = torch.randn_like(half)
+    opt.step()
+    state = opt.state[half]
+    assert state["master"].dtype == state["exp_avg"].dtype == torch.float32
+    assert sum(t.numel() * t.element_size() for t in state.values()
+               if isinstance(t, torch.Tensor)) == 12 * half.numel()
+
+
+def test_lora_trains_only_the_adapters_and_works_on_meta():
+    model, batch = realzoo.llama(batch=2, seq=16, layers=2)
+    adapted = add_lora(model, rank=4)
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith((".a", ".b")) for n in trainable)
+    adapted(**batch).loss.backward()
+    assert all(p.grad is None for p in adapted.parameters() if not p.requires_grad)
+    with torch.device("meta"):
+        meta = add_lora(nn.Sequential(nn.Linear(8, 8)), 2, targets=("0",))
+    assert isinstance(meta[0], LoRALinear) and meta[0].a.device.type == "meta"
+    with pytest.raises(ConfigError, match="nothing to adapt"):
+        add_lora(nn.Sequential(nn.ReLU()))
+
+
+def test_predicted_plans_of_gpt2_fit_when_measured():
+    model, batch = realzoo.gpt2(batch=4, seq=32, layers=3)
+    model.train()
+    predicted = prepare(model, batch, predict=True, target=PLAIN_CPU)
+    measured = prepare(model, batch)
+    for fraction in (0.0, 0.5, 1.0):
+        budget = int(predicted.floor + fraction * (predicted.full - predicted.floor))
+        chosen = predicted.choose(budget)
+        peak = measured.measure(chosen)
+        assert abs(chosen.predicted_peak - peak) <= 0.03 * peak
+
+
+def test_max_batch_predicts_on_a_meta_model_without_running():
+    from tests.userzoo import meta_llama
+
+    model = meta_llama().train()
+
+    def batches(size: int) -> dict:
+        ids = torch.empty(size, 32, dtype=torch.int64, device="meta")
+        return {"input_ids": ids, "labels": ids}
+
+    found = max_batch(model, batches, "64MiB", predict=True, target=PLAIN_CPU, start=2,
+                      limit=4096)
+    none, best = found.fit("none"), found.fit("optimal")
+    assert found.target == "test-cpu" and 0 < none.batch <= best.batch
+    assert best.peak <= found.budget.nbytes < best.over
+    assert best.step_s > 0 and best.throughput == pytest.approx(best.batch / best.step_s)
+
+
+def test_the_cli_plans_a_meta_model_for_a_gpu_target():
+    res = run(["plan", "--model", "tests.userzoo:meta_llama", "--predict", "--target",
+               "h100-80gb", "--batch", "2", "--input-shape", "32", "--input-dtype", "int64",
+               "--vocab", "97", "--dtype", "bfloat16", "--lora", "4",
+               "--optimizer", "mixed-adamw", "--budget", "auto", "--json"])
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["target"] == "h100-80gb"
+    low, high = out["overhead_interval"]
+    assert low <= out["predicted_overhead"] <= high
+    assert out["measured_peak"] is None and out["predicted_peak"] <= out["budget"]
+
+
+def test_the_cli_refuses_a_target_without_predict_and_an_unknown_target():
+    base = ["plan", "--model", "mlp3", "--batch", "4", "--budget", "1GiB"]
+    for extra, message in ((["--target", "h100"], "add --predict"),
+                           (["--predict", "--target", "tpu"], "unknown target")):
+        res = run(base + extra)
+        assert res.returncode == 2 and message in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_predicted_peaks_match_measured_on_the_gpu_here():
+    model, batch = realzoo.gpt2(batch=8, seq=128, layers=4, width=256)
+    model = model.cuda().train()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    predicted = prepare(model, batch, predict=True, target="cuda")
+    measured = prepare(model, batch)
+    for fraction in (0.0, 0.5, 1.0):
+        budget = int(predicted.floor + fraction * (predicted.full - predicted.floor))
+        chosen = predicted.choose(budget)
+        peak = measured.measure(chosen)
+        assert abs(chosen.predicted_peak - peak) <= 0.05 * peak
+
+
+def test_a_target_is_a_frozen_profile_with_sources():
+    for target in PROFILES.values():
+        assert isinstance(target, Target) and target.source and target.context > 0
+        assert target.flops["bfloat16"] > target.flops["float32"]
