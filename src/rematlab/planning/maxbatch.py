@@ -190,10 +190,11 @@ class _Searcher:
         return b
 
     def predicted(self, case: str) -> BatchFit:
-        """The cost model's largest batch, re-profiled near its answer (`estimate`), with the
-        predicted step time of its plan (`optimal`: the fastest within the budget) and the
-        predicted peak one sample above: nothing is measured."""
-        batch = self.estimate(case)
+        """The cost model's largest batch (costs interpolated between the two profiled
+        batches: a fake profile's bytes are affine in the batch), with the predicted step
+        time of its plan (`optimal`: the fastest within the budget) and the predicted peak
+        one sample above: nothing is measured."""
+        batch = self.estimate(case, rounds=0)  # fake profiles are affine in the batch
         if batch < 1:
             return BatchFit(case=case, batch=0, peak=None, over=self.modelled(case, 1),
                             estimate=0, measured=0, at_limit=False)
@@ -336,8 +337,9 @@ def max_batch(
         dev = next((p.device for p in model.parameters()), None)
     make, first = batches_from(example, dev)
     start = first if start is None else start
-    if start < 2:
-        raise ConfigError(f"start must be at least 2 (profiled with twice it), got {start}")
+    if start < (1 if predict else 2):
+        raise ConfigError(f"start must be at least {1 if predict else 2} (profiled with twice "
+                          f"it), got {start}")
     t0 = time.perf_counter()
     if target is not None and not predict:
         raise ConfigError("a target is planned for without running (predict=True)")

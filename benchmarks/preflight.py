@@ -1,0 +1,238 @@
+"""Pre-flight against a real run on this CPU, and a Llama-3-8B-shaped model planned for GPUs.
+
+    .venv/bin/python benchmarks/preflight.py [--quick] [--out docs/benchmarks/preflight.md]
+
+Part 1. Every model of docs/benchmarks/real-models.md (tests/realzoo.py, same sizes) and the
+six zoo architectures (batch 16; AlexNet and VGG-16 at CIFAR scale) are planned twice: pre-
+flight (`prepare(..., predict=True, target="cpu")`: fake tensors, this CPU's calibrated
+roofline, nothing run) and measured (`prepare(...)`). Five budgets from the predicted floor to
+the predicted unconstrained peak; at each, the pre-flight plan's peak is *measured* by the
+planner's own step measurement (momentum SGD, output alive) and compared with its predicted
+peak, and whether it fits its budget is recorded. At the floor and the middle budget (where
+the plan checkpoints), the plan's step time as a ratio to keeping everything is measured side
+by side in interleaved rounds (`benchmarks/real_models._side_by_side`, the one timer under the
+interference guard) and compared with the predicted ratio.
+
+Part 2. A Llama-3-8B-shaped model (transformers `LlamaConfig` with Llama 3 8B's sizes) built
+on the meta device, bf16 weights, sequence 4096, batch 1, AdamW with fp32 state
+(`mixed-adamw`): full fine-tuning, and LoRA rank 16 on the attention and MLP projections. For
+an 80 GB (H100) and a 24 GB (RTX 4090) target: floor, unconstrained peak, the plan and its
+predicted overhead (interval) at 24, 40 and 80 GiB, the largest batch, and the physical lower
+bound (weights, gradients, optimizer state) where nothing fits. Wall time and the process's
+resident high-water mark (VmHWM, reset through /proc/self/clear_refs) are measured for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from real_models import SIZES, _side_by_side
+
+from rematlab.core.lora import add_lora
+from rematlab.core.units import format_bytes
+from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.measurement import zoo
+from rematlab.planning.maxbatch import max_batch
+from rematlab.planning.planner import Planning, prepare
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import overhead, simulate
+from rematlab.preflight.targets import PROFILES, resolve_target
+from rematlab.remat.strategies import apply
+from tests import realzoo
+
+ZOO = {"mlp3": 16, "mlp5": 16, "mlp7": 16, "lenet5": 16, "alexnet": 16, "vgg16": 16}
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+TIMED = (0.0, 0.5)
+GiB = 1 << 30
+
+
+def _models():
+    for name in realzoo.MODELS:
+        yield name, *realzoo.MODELS[name](**SIZES[name])
+    for name, batch in ZOO.items():
+        net, shape, _ = zoo.resolve(name, "cifar" if name in ("alexnet", "vgg16") else None,
+                                    None)
+        yield name, net, torch.randn(batch, *shape)
+
+
+def _ratio(planning: Planning, chosen) -> float:
+    costs = planning.costs
+    return 1 + overhead(simulate(chosen, costs)[1], simulate(none_plan(costs.n), costs)[1])
+
+
+def part_one(rounds: int) -> tuple[list[str], dict]:
+    rows = ["| model | budget | plan (pre-flight) | predicted / measured peak | fits | "
+            "predicted / measured time ratio | pre-flight s |", "|---" * 7 + "|"]
+    errors, ratio_errors, fits = [], [], []
+    target = resolve_target("cpu")
+    for name, model, batch in _models():
+        torch.manual_seed(0)
+        model.train()
+        t0 = time.perf_counter()
+        predicted = prepare(model, batch, predict=True, target=target)
+        pre_s = time.perf_counter() - t0
+        measured = prepare(model, batch)
+        for fraction in FRACTIONS:
+            budget = int(predicted.floor + fraction * (predicted.full - predicted.floor))
+            chosen = predicted.choose(budget)
+            peak = measured.measure(chosen)
+            error = (chosen.predicted_peak - peak) / peak
+            errors.append((abs(error), name, fraction))
+            fits.append(peak <= budget)
+            timing = ""
+            if fraction in TIMED and chosen.describe() != none_plan(chosen.n_blocks).describe():
+                got, _ = _side_by_side(
+                    {"none": lambda model=model: model,
+                     "plan": lambda c=chosen, m=model, b=batch: apply(m, c, example_input=b)},
+                    batch, model, rounds)
+                real = got["plan"][0] / got["none"][0]
+                guess = _ratio(predicted, chosen)
+                ratio_errors.append((abs(guess / real - 1), name, fraction))
+                timing = f"{guess:.3f} / {real:.3f} ({guess / real - 1:+.1%})"
+            rows.append(f"| {name} | {format_bytes(budget)} | `{chosen.describe()}` | "
+                        f"{format_bytes(chosen.predicted_peak)} / {format_bytes(peak)} "
+                        f"({error:+.1%}) | {'yes' if peak <= budget else '**no**'} | "
+                        f"{timing} | {pre_s:.1f} |")
+        print(rows[-1], flush=True)
+    summary = {"errors": errors, "ratio_errors": ratio_errors, "fits": fits}
+    return rows, summary
+
+
+def llama3_8b(lora: bool) -> torch.nn.Module:
+    """Llama 3 8B's shapes (meta-llama/Meta-Llama-3-8B config.json) on the meta device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return (add_lora(model, 16) if lora else model).train()
+
+
+def _tokens(size: int) -> dict:
+    ids = torch.empty(size, 4096, dtype=torch.int64, device="meta")
+    return {"input_ids": ids, "labels": ids}
+
+
+def _hwm_reset() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cell(planning: Planning, budget: int, bound: int) -> str:
+    """The plan for `budget`, or why nothing fits."""
+    try:
+        chosen = planning.choose(budget)
+    except InfeasibleBudgetError:
+        return (f"cannot fit: floor {format_bytes(planning.floor)}; weights + gradients + "
+                f"optimizer state alone {format_bytes(bound)}")
+    low, high = planning.overhead_interval(chosen)
+    plain = simulate(none_plan(chosen.n_blocks), planning.costs)[1]
+    layers = sum(1 for i in chosen.items if not isinstance(i, int))
+    return (f"{layers} layers checkpointed, {format_bytes(chosen.predicted_peak)}, "
+            f"{overhead(chosen.predicted_time, plain):+.1%} ({low:+.1%}..{high:+.1%})")
+
+
+def part_two() -> list[str]:
+    rows = ["| setting | target | floor | unconstrained | 24 GiB | 40 GiB | 80 GiB | "
+            "the card's budget (auto) | largest batch on the card (no remat / with plan) | "
+            "wall | host memory (VmHWM) |", "|---" * 11 + "|"]
+    for setting in ("full fine-tuning", "LoRA r16"):
+        model = llama3_8b(lora=setting != "full fine-tuning")
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        bound = weights + trainable * (2 + 12)  # bf16 gradients, fp32 master + moments
+        for name in ("h100-80gb", "rtx4090"):
+            _hwm_reset()
+            t0 = time.perf_counter()
+            planning = prepare(model, _tokens(1), predict=True, target=name,
+                               optimizer="mixed-adamw")
+            card = planning.budget("auto").nbytes
+            cells = [_cell(planning, b, bound) for b in (24 * GiB, 40 * GiB, 80 * GiB, card)]
+            found = max_batch(model, _tokens, "auto", predict=True, target=name,
+                              optimizer="mixed-adamw", start=1, limit=512)
+            batches = " / ".join(str(found.fit(c).batch) for c in ("none", "optimal"))
+            wall = time.perf_counter() - t0
+            cells[3] = f"{format_bytes(card)}: {cells[3]}"
+            rows.append(f"| {setting} | {name} ({format_bytes(PROFILES[name].memory)}) | "
+                        f"{format_bytes(planning.floor)} | {format_bytes(planning.full)} | "
+                        + " | ".join(cells) + f" | {batches} | {wall:.0f} s | "
+                        f"{format_bytes(_hwm())} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two timing rounds")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    llama = part_two()
+    rows, s = part_one(2 if args.quick else 5)
+    errors = sorted(e for e, _, f in s["errors"] if f in (0.0, 0.5, 1.0))
+    worst = max(s["errors"])
+    ratio = max(s["ratio_errors"]) if s["ratio_errors"] else (0.0, "-", 0.0)
+    within = sum(e <= 0.10 for e, _, _ in s["ratio_errors"])
+    target = resolve_target("cpu")
+    text = "\n".join([
+        "# Pre-flight: planned without running, checked against a real run",
+        "",
+        "Produced by `python benchmarks/preflight.py --out docs/benchmarks/preflight.md` "
+        "(module docstring: what is measured and how).",
+        "",
+        "## Llama-3-8B-shaped, planned for GPUs from this 2-core CPU",
+        "",
+        "bf16 weights, sequence 4096, batch 1, AdamW with fp32 master weights and moments "
+        "(`mixed-adamw`, 12 bytes per trainable parameter). Budgets are what the step may "
+        "allocate (`torch.cuda.max_memory_allocated`); the card's own budget (`auto`) leaves "
+        "out the CUDA context and a 5 % margin. Overheads are predicted step time over "
+        "keeping everything, with the interval at the roofline's slow and fast ends.",
+        "",
+        *llama,
+        "",
+        "## Every model against a real run on this CPU",
+        "",
+        f"Target `cpu`: {target.source}.",
+        "",
+        f"- Predicted peak against measured, at the floor, middle and unconstrained budgets: "
+        f"median error {statistics.median(errors):.2%}, worst {max(errors):.2%} "
+        f"(all five budgets: worst {worst[0]:.2%}, {worst[1]} at {worst[2]:.0%}).",
+        f"- Time ratio to no checkpointing, predicted against measured side by side: "
+        f"{within} of {len(s['ratio_errors'])} within 10 %; worst {ratio[0]:.1%} "
+        f"({ratio[1]} at {ratio[2]:.0%}).",
+        f"- The pre-flight plan fits its budget when measured in {sum(s['fits'])} of "
+        f"{len(s['fits'])} (model, budget) pairs.",
+        "",
+        *rows,
+        "",
+        f"Wall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads.",
+        ""])
+    if args.out:
+        from rematlab.core.files import write_text
+
+        write_text(args.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
