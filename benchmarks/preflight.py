@@ -43,6 +43,7 @@ from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import Planning, prepare
+from rematlab.planning.preflight import PREFLIGHT_MARGIN
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import overhead, simulate
 from rematlab.preflight.targets import PROFILES, resolve_target
@@ -82,7 +83,8 @@ def part_one(rounds: int) -> tuple[list[str], dict]:
         pre_s = time.perf_counter() - t0
         measured = prepare(model, batch)
         for fraction in FRACTIONS:
-            budget = int(predicted.floor + fraction * (predicted.full - predicted.floor))
+            low, high = predicted.measured_floor(), int(predicted.full * (1 + PREFLIGHT_MARGIN))
+            budget = int(low + fraction * (max(low, high) - low))
             chosen = predicted.choose(budget)
             peak = measured.measure(chosen)
             error = (chosen.predicted_peak - peak) / peak

@@ -5,8 +5,10 @@
 #
 # Steps, each writing into OUT: the machine (env.json, nvidia-smi.txt), the CUDA tests
 # (cuda-tests.txt), `rematlab measure` on VGG-16 for none / uniform:4 / sqrt, `rematlab plan`
-# eager and under torch.compile at three budgets with measured peaks (plans.json), a slice of
-# the seed study's grid spanning every factor swept into a database (slice.duckdb), then
+# eager and under torch.compile at three budgets with measured peaks (plans.json), pre-flight
+# plans (predicted without running, for the GPU here and its data sheet) with their peaks
+# measured (preflight.json), a slice of the seed study's grid spanning every factor swept
+# into a database (slice.duckdb), then
 # `fit` (predictor MAPE on GPU data) and `stats`. `--dry-run` runs the same steps on the CPU
 # at the smallest sizes (what CI runs); without it the script needs a GPU and about 8 minutes.
 #
@@ -72,6 +74,15 @@ done
 step "plans: eager and torch.compile, three budgets each"
 "$PY" scripts/gpu_plans.py --model vgg16 --input "$SCALE" --batch "$PLAN_BATCH" --device "$DEV" \
     --compile-model "$COMPILE_MODEL" --out "$OUT/plans.json" | tee -a "$OUT/summary.txt"
+
+step "pre-flight: plans predicted without running, their peaks measured"
+if [ "$DRY" = 1 ]; then
+    "$PY" scripts/gpu_preflight.py --device cpu --small --out "$OUT/preflight.json" \
+        | tee -a "$OUT/summary.txt"
+else
+    "$PY" scripts/gpu_preflight.py --device cuda --profile h200 --out "$OUT/preflight.json" \
+        | tee -a "$OUT/summary.txt"
+fi
 
 step "sweep a slice of the seed study"
 if [ "$DRY" = 1 ]; then

@@ -4,15 +4,19 @@ Public API: `apply` a strategy or plan, `measure` a configuration, `plan` the fa
 checkpointing for a memory budget, `prepare` (profile once, then `.choose(budget)` for any
 budget, `.curve()` for all of them), `auto` (plan per input shape on the fly), `max_batch`
 (the largest batch under a budget, with and without remat, and its throughput), `load` a
-sweep's dataset, `predict` step time and peak memory.
+sweep's dataset, `predict` step time and peak memory. Pre-flight (`predict=True, target=...`
+on `plan`, `prepare` and `max_batch`) plans without running, for a device that is not here
+(`Target`, `PROFILES`), with `add_lora` for the way large models are fine-tuned.
 """
 
+from rematlab.core.lora import add_lora
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
 from rematlab.measurement.measure import measure
 from rematlab.measurement.spec import Observation, Spec
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import Planning, auto, plan, prepare
 from rematlab.plans.plan import Plan
+from rematlab.preflight.targets import PROFILES, Target
 from rematlab.remat.strategies import apply, parse
 from rematlab.study.store import load
 from rematlab.version import __version__
@@ -28,6 +32,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "PROFILES",
     "ConfigError",
     "InfeasibleBudgetError",
     "Observation",
@@ -36,7 +41,9 @@ __all__ = [
     "Predictor",
     "RematlabError",
     "Spec",
+    "Target",
     "__version__",
+    "add_lora",
     "apply",
     "auto",
     "load",

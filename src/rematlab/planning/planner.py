@@ -29,7 +29,7 @@ from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
-from rematlab.planning.preflight import predicted_costs, target_budget
+from rematlab.planning.preflight import PREFLIGHT_MARGIN, predicted_costs, target_budget
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
@@ -72,11 +72,17 @@ class Planning:
 
     def measured_floor(self) -> int:
         """The smallest budget `choose` accepts: the floor plan's measured peak when
-        verifying (the simulated floor can be below it), else the simulated floor; what
+        verifying (the simulated floor can be below it), the simulated floor and its margin
+        when predicted for a target, else the simulated floor; what
         `InfeasibleBudgetError.min_peak` reports."""
         if not self.verify:
-            return self.floor
+            return self.floor + self._margin(self.floor)
         return max(self.floor, self._measure_cached(self.solution.frontier[0]))
+
+    def _margin(self, peak: int) -> int:
+        """What a predicted plan keeps free beyond its simulated peak (`PREFLIGHT_MARGIN`):
+        it cannot be verified, and must still fit."""
+        return int(PREFLIGHT_MARGIN * peak) if self.target is not None else 0
 
     @property
     def full(self) -> int:
@@ -121,7 +127,11 @@ class Planning:
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + slack))]
         if not self.verify:
-            return self._named(self.solution.plan_for(limit), name, limit)
+            if limit < self.measured_floor():
+                raise infeasible(limit, self.measured_floor())
+            chosen = self.solution.plan_for(int(limit / (1 + PREFLIGHT_MARGIN))
+                                            if self.target is not None else limit)
+            return self._named(chosen, name, limit)
         skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
         tried = 0
         for candidate in reversed(pool):
@@ -205,9 +215,9 @@ def prepare(
 ) -> Planning:
     """Profile and solve once (see `plan` for the arguments)."""
     check_batch(example_inputs)
-    if ops and (predict or compile):
-        raise ConfigError("op-level plans (ops=True) are measured eager: not with predict=True"
-                          " or compile=True")
+    if ops and compile:
+        raise ConfigError("op-level plans (ops=True) are profiled eager: not with "
+                          "compile=True")
     if compile and predict:
         raise ConfigError("compiled costs must be measured: compile=True cannot be predicted")
     if target is not None and not predict:
@@ -216,7 +226,7 @@ def prepare(
     st = structure(model, example_inputs, blocks)
     if predict:
         costs, tgt = predicted_costs(model, example_inputs, st, device, optimizer, loss_fn,
-                                     target)
+                                     target, ops)
         solution = solve(costs, layers=st.kind == "layers")
         return Planning(model, st, example_inputs, costs, solution, False, False, loss_fn,
                         tgt)

@@ -24,26 +24,34 @@ from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.structure import Structure
 
+# A predicted plan keeps this share of its simulated peak free: it is not verified, and the
+# simulator can miss a few hundred kilobytes (allocator alignment, small scalars) that a
+# measured plan's verification would catch (docs/benchmarks/preflight.md).
+PREFLIGHT_MARGIN = 0.01
+
 
 def predicted_costs(model: nn.Module, batch: object, st: Structure, device: object,
                     optimizer: str | None, loss_fn: LossFn | None,
-                    target: str | Target | dict | None) -> tuple[ChainCosts, Target]:
-    """The costs of `model`'s step on `batch` as `target` would run it, and the target
-    (None: the device the batch is on, calibrated). On a CUDA target the cuBLAS workspace is
-    resident."""
+                    target: str | Target | dict | None, ops: bool = False
+                    ) -> tuple[ChainCosts, Target]:
+    """The costs of `model`'s step on `batch` as `target` would run it (with `ops`, each
+    block's menu of op-level options too), and the target (None: the device the batch is
+    on, calibrated). On a CUDA target the cuBLAS workspace is resident; a calibrated target
+    says what a checkpoint costs beyond the forward it repeats."""
     kind = (torch.device(device).type if device is not None
             else next(tensors(batch)).device.type)
     tgt = resolve_target(target, kind)
     if st.kind == "layers":
         costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
-                               target=tgt)
+                               target=tgt, ops=ops)
     else:
         if not isinstance(batch, torch.Tensor):
             raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
                               "with several inputs")
-        costs = profile_chain(st.blocks, batch, optimizer=optimizer, target=tgt)
+        costs = profile_chain(st.blocks, batch, optimizer=optimizer, target=tgt, ops=ops)
     return replace(costs, base=costs.base + tgt.workspace,
-                   optimizer_peak=costs.optimizer_peak + tgt.workspace), tgt
+                   optimizer_peak=costs.optimizer_peak + tgt.workspace,
+                   checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt
 
 
 def target_budget(target: Target) -> DeviceBudget:

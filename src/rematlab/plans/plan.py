@@ -99,9 +99,12 @@ class ChainCosts:
     state: int = 0  # optimizer state (part of base)
     optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
     options: list[list[Option]] = field(default_factory=list)  # per block; [] = keep or not
-    # predicted costs (`rematlab.preflight`): each block's (fastest, slowest) seconds
+    # predicted costs (`rematlab.preflight`): each block's (fastest, slowest) seconds, and
+    # the seconds each checkpointed segment costs beyond recomputing its forward (hooks, the
+    # RNG state, a forward run again on a cold cache), calibrated on the target; 0 measured
     fwd_range: list[tuple[float, float]] = field(default_factory=list)
     bwd_range: list[tuple[float, float]] = field(default_factory=list)
+    checkpoint_time: float = 0.0
 
     @property
     def n(self) -> int:
@@ -294,7 +297,7 @@ def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tup
     m_rest, t_rest = need(rest, end, False, c)
     m_in, t_in = need(first.inner, k, True, c)
     mem = max(fwd, held + m_rest, recompute_base + m_in)
-    return mem, sum(c.fwd_time[s:k]) + t_rest + t_in
+    return mem, sum(c.fwd_time[s:k]) + c.checkpoint_time + t_rest + t_in
 
 
 def kept(item: int | Selective, c: ChainCosts) -> tuple[int, Option | None]:

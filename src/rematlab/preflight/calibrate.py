@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from rematlab.core.timer import watched
 from rematlab.preflight.roofline import LoggedOp, logged
@@ -119,6 +120,7 @@ def measure(kind: str = "cpu") -> dict:
                         if op.nbytes >= MIN_BYTES:  # a tiny op's time is all fixed cost
                             samples[op.name].append((op.kind, (op.flops or op.nbytes) / took))
         low = _matmul_rate(device, torch.bfloat16, sync)
+        per_checkpoint = _checkpoint_seconds(_suite(1, device), sync)
     overhead = max(0.0, statistics.median((w - k) / n for w, k, n in
                                           zip(walls, kernels, counts, strict=True)))
     rates = {name: statistics.median(r for _, r in rows) for name, rows in samples.items()}
@@ -135,7 +137,39 @@ def measure(kind: str = "cpu") -> dict:
         efficiency=_spread(mm32), bandwidth_efficiency=_spread(moves),
         source=f"measured on this machine ({torch.get_num_threads()} threads, torch "
                f"{torch.__version__})",
-        calibrated=True, extra={"rates": rates})
+        calibrated=True, extra={"rates": rates, "checkpoint": per_checkpoint})
+
+
+def _checkpoint_seconds(pieces: list[tuple[nn.Module, torch.Tensor]],
+                        sync: Callable[[], None]) -> float:
+    """Seconds that checkpointing a piece adds to its step beyond running its forward again:
+    checkpointing's own work (saved-tensor hooks, the RNG state, the recomputation on a cold
+    cache). The median over the suite's pieces, never below 0."""
+    def step_of(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable:
+        def step() -> None:
+            out = run(x)
+            (out.float().square().mean() if out.is_floating_point() else out.sum()).backward()
+        return step
+
+    extra = []
+    for module, x in pieces:
+        plain = _median_seconds(step_of(module, x), sync)
+        ckpt = _median_seconds(step_of(lambda v, m=module: checkpoint(m, v, use_reentrant=False),
+                                       x), sync)
+        extra.append(ckpt - plain - _median_seconds(lambda m=module, x=x: m(x), sync))
+    return max(0.0, statistics.median(extra))
+
+
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    fn()
+    times = []
+    for _ in range(2 * ROUNDS + 1):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]
@@ -143,15 +177,7 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, sync: Callable[[], No
     """FLOP/s of a 256-square matmul in `dtype` (the suite runs fp32; a CPU without native
     bf16 runs bf16 matmuls far slower, which a plan in bf16 must know)."""
     a = torch.randn(256, 256, device=device).to(dtype)
-    a @ a
-    times = []
-    for _ in range(ROUNDS):
-        sync()
-        t0 = time.perf_counter()
-        a @ a
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 2 * 256 ** 3 / statistics.median(times)
+    return 2 * 256 ** 3 / _median_seconds(lambda: a @ a, sync)
 
 
 def _spread(rates: list[float]) -> tuple[float, float, float]:

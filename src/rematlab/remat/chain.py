@@ -35,6 +35,7 @@ from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession, is_fake
 from rematlab.preflight.roofline import OpLog
 from rematlab.preflight.targets import Target, interval
+from rematlab.preflight.workspace import Scratch
 from rematlab.remat.ops import block_options
 from rematlab.remat.tracing import meta_copy
 
@@ -60,9 +61,10 @@ def profile_chain(
     predicted = meta or target is not None
     if predicted and compile:
         raise ConfigError("compiled costs must be measured: they cannot be predicted")
-    if ops and (predicted or compile):
-        raise ConfigError("op-level options are measured eager: not predicted, and "
-                          "not under torch.compile (plan whole blocks with compile=True)")
+    if ops and (meta or compile):
+        raise ConfigError("op-level options are profiled eager: not on the meta device (use "
+                          "a target), not under torch.compile (plan whole blocks with "
+                          "compile=True)")
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
     if session is not None:
         run, x, unit = [session.model(b) for b in blocks], session.batch(example_input), \
@@ -94,7 +96,7 @@ def profile_chain(
                 if ops:
                     with preserved(block):
                         r["options"] = block_options(block, block, x_in, r, repeats=repeats,
-                                                     unit=unit)
+                                                     unit=unit, target=target)
                 repeated.remember(block, [x_in], r)
             r.setdefault("options", [])
             for key, value in r.items():
@@ -217,13 +219,16 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     flops = FlopCounterMode(display=False)
     logs = (OpLog(), OpLog()) if target is not None else None
     priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
+    here = target is not None and target.calibrated  # kernels' scratch, asked of the device
+    scratch = (lambda: Scratch(tracker, target.kind)) if here else contextlib.nullcontext
     real = not (x_in.device.type == "meta" or is_fake(x_in))
     allocator = allocator_trace(x_in.device) if real else None
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
     with allocator or contextlib.nullcontext():
         before = tracker.live
-        with phase("forward"), counting, flops if not compile else contextlib.nullcontext(), \
+        with phase("forward"), scratch(), counting, \
+                flops if not compile else contextlib.nullcontext(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), priced(0):
             out = run(x_in)
         fwd_mem = tracker.peak - before
@@ -235,7 +240,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
             del out  # autograd alone decides when the output dies, as in a real step
             before_bwd = tracker.live
             tracker.reset_peak()
-            with phase("backward"), counting, priced(1):
+            with phase("backward"), scratch(), counting, priced(1):
                 loss.backward()
             bwd_mem = tracker.peak - before_bwd - out_bytes
     if allocator is not None:  # kernel workspaces, compiled code: only the allocator sees them

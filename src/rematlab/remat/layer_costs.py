@@ -56,7 +56,7 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
     with session.active():
         return _profile_layers(twin, session.batch(batch),
                                [twin.get_submodule(names[id(m)]) for m in layers], loss_fn,
-                               optimizer, 0, False, False, target)
+                               optimizer, 0, False, ops, target)
 
 
 def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
@@ -144,7 +144,8 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
         if ops:
             with preserved(layer):
                 row["options"] = block_options(layer, run, x_in, row, others=lc.others(),
-                                               repeats=repeats)
+                                               repeats=repeats, target=target,
+                                               unit=target.unit if target is not None else 1)
         repeated.remember(layer, inputs, row)
     return dict(row)
 

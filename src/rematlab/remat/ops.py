@@ -42,6 +42,8 @@ from rematlab.core.steps import preserved, unit_loss
 from rematlab.core.timer import time_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Option, Selective
+from rematlab.preflight.roofline import OpLog, logged
+from rematlab.preflight.targets import Target, interval
 from rematlab.remat.recompute import RecomputeStats, selective_contexts
 
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -82,26 +84,39 @@ def fingerprint(names: list[str]) -> str:
 
 class _Recorder(TorchDispatchMode):
     """Records every aten op a forward runs: name, outputs, flags, FLOPs and seconds (the
-    device synchronised around it)."""
+    device synchronised around it; with a `target`, the op priced on its roofline)."""
 
-    def __init__(self, sync: Callable[[], None]) -> None:
+    def __init__(self, sync: Callable[[], None], target: Target | None = None) -> None:
         super().__init__()
         self.sync = sync
+        self.target = target
         self.rows: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _metadata(func):
+            return func(*args, **kwargs)
         self.sync()
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         self.sync()
         seconds = time.perf_counter() - t0
+        if self.target is not None:
+            op = logged(func, args, kwargs, out)
+            seconds = interval([op], self.target)[1] if op is not None else 0.0
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         formula = flop_registry.get(func._overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
         self.rows.append((str(func), outs, func.is_view, func._schema.is_mutable,
                           torch.Tag.nondeterministic_seeded in func.tags, flops, seconds))
         return out
+
+
+def _metadata(func) -> bool:
+    """An op that reads metadata (`prim.device`, which fake tensors dispatch whenever Python
+    asks for `.device`): no output to save, and how often it runs depends on the code that
+    asks, so it is no part of an op sequence."""
+    return func.namespace == "prim"
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -112,10 +127,13 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
                 x_in: torch.Tensor, others: list[torch.Tensor] | None = None,
-                repeats: int = 3) -> list[OpCost]:
+                repeats: int = 3, target: Target | None = None) -> list[OpCost]:
     """`module`'s forward (`run(x_in)`) op by op (see module docstring). Saved outputs are
     those autograd's saved-tensor hooks see, parameters, buffers and inputs excluded; times
-    are the median over `repeats` forwards (the module's state and RNG restored)."""
+    are the median over `repeats` forwards (the module's state and RNG restored), or with a
+    `target` (a fake twin, `rematlab.preflight`) each op's roofline time from one forward."""
+    if target is not None:
+        repeats = 1
     mine = {storage_key(t) for t in [*module.parameters(), *module.buffers(), x_in,
                                      *(others or ())]}
     saved: set[tuple[str, int]] = set()
@@ -128,7 +146,7 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     timings: list[list[float]] = []
     rows: list[tuple] = []
     for r in range(max(1, repeats)):
-        recorder = _Recorder(sync)
+        recorder = _Recorder(sync, target)
         # saved storages are read in the first run only: storage keys are addresses, which a
         # later run may reuse for tensors the first run did not save
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if r == 0
@@ -220,6 +238,8 @@ class SavePolicy:
         self._counts: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if _metadata(func):
+            return CheckpointPolicy.PREFER_RECOMPUTE
         name = str(func)
         counts = self._counts[ctx.is_recompute]
         key = (name, counts[name])
@@ -240,11 +260,13 @@ class SavePolicy:
 
 def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
                   x_in: torch.Tensor, plain: dict, others: list[torch.Tensor] | None = None,
-                  repeats: int = 3, unit: int = 1) -> list[Option]:
+                  repeats: int = 3, unit: int = 1, target: Target | None = None
+                  ) -> list[Option]:
     """The menu of `module`: each save set of `save_sets`, run under selective checkpointing
     and measured like a plain block (`option_costs`); options that hold no less than the
-    block kept plainly (`plain`: its `profile_block` row) are dropped."""
-    ops = profile_ops(module, run, x_in, others, repeats)
+    block kept plainly (`plain`: its `profile_block` row) are dropped. With a `target`, the
+    block is a fake twin: bytes as measured, times the target's roofline."""
+    ops = profile_ops(module, run, x_in, others, repeats, target)
     names = [o.name for o in ops]
     x, out = plain["x"], rounded(plain["out"].untyped_storage().nbytes(), unit)
 
@@ -253,7 +275,7 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
 
     limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
     menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
-                         unit) for saves in save_sets(ops)]
+                         unit, target) for saves in save_sets(ops)]
     seen: Counter[str] = Counter()
     for i, o in enumerate(menu):  # plans name options: two summaries alike get a number
         seen[o.name] += 1
@@ -275,11 +297,14 @@ def _recomputed(ops: list[OpCost], saves: tuple[tuple[str, int], ...]) -> float:
 
 def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
                  x_in: torch.Tensor, saves: tuple[tuple[str, int], ...], names: list[str],
-                 others: list[torch.Tensor] | None = None, repeats: int = 3, unit: int = 1
-                 ) -> Option:
+                 others: list[torch.Tensor] | None = None, repeats: int = 3, unit: int = 1,
+                 target: Target | None = None) -> Option:
     """One option's costs, measured: held bytes (besides the input, which the checkpoint
     keeps, and the output, unless it is among the saved), the forward and backward peaks
-    under the live-tensor tracker, and median times by the one timer."""
+    under the live-tensor tracker, and median times by the one timer (with a `target`, the
+    roofline's for the ops the forward and the backward ran)."""
+    logs = (OpLog(), OpLog()) if target is not None else None
+    priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
     ops = fingerprint(names)
     item = Selective(-1, describe_saves(saves), saves, ops)
 
@@ -290,7 +315,7 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
     with preserved(module):
         before = tracker.live
-        with tracker:
+        with tracker, priced(0):
             out = selective(x_in)
         fwd_mem = tracker.peak - before
         out_bytes = rounded(out.untyped_storage().nbytes(), unit)
@@ -301,10 +326,13 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         keeps_output = alive() is not None
         tracker.reset_peak()
         before_bwd = tracker.live
-        with tracker:
+        with tracker, priced(1):
             loss.backward()
         bwd_mem = tracker.peak - before_bwd - out_bytes
-    fwd_time, bwd_time = time_block(selective, x_in, repeats) if repeats else (0.0, 0.0)
+    if logs is not None:
+        fwd_time, bwd_time = (interval(log.ops, target)[1] for log in logs)
+    else:
+        fwd_time, bwd_time = time_block(selective, x_in, repeats) if repeats else (0.0, 0.0)
     return Option(name=item.option, saves=saves,
                   saved=max(0, held - (out_bytes if keeps_output else 0)), keeps_input=True,
                   keeps_output=keeps_output, fwd_mem=fwd_mem, bwd_mem=max(0, bwd_mem),

@@ -1,0 +1,72 @@
+"""Scratch memory that kernels allocate inside an op, which no tensor holds and fake tensors
+cannot see: on this CPU, oneDNN's convolutions reorder their output, gradient and (for wide
+layers) their weights into blocked layouts; backward-by-weights keeps per-thread partial sums.
+It reaches 20 % of a CNN step's peak (VGG-16 at CIFAR scale), and it is not affine in the
+batch (oneDNN picks another algorithm for one sample than for two).
+
+So on a device that is here (a calibrated target), each convolution a fake profile runs is
+also run once for real at its exact shapes, on random data, under the allocator trace
+(`rematlab.core.probes.allocator_trace`), and its allocator peak is charged to the live-tensor
+tracker at that moment (`Scratch`). Results are cached per op and shapes, so a repeated layer
+costs one run. A data-sheet target has no device to ask: its convolutions' workspaces
+(cuDNN's) are not modelled, which `docs/benchmarks/preflight.md` says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map
+
+from rematlab.core.probes import LiveTensorTracker, allocator_trace
+
+OPS = frozenset(("convolution", "convolution_backward"))
+
+
+def _spec(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_spec(v) for v in value)
+    return value
+
+
+@functools.cache
+def _measured(device: str, name: str, spec: tuple) -> int:
+    """Allocator bytes one call of the op takes at its peak (outputs included), measured on
+    random data of the op's shapes (cached: one run per op and shapes)."""
+    func = getattr(torch.ops.aten, name).default
+    args = tree_map(lambda s: torch.randn(s[1], device=device).to(s[2])
+                    if isinstance(s, tuple) and s[:1] == ("tensor",) else s,
+                    spec, is_leaf=lambda s: isinstance(s, tuple) and s[:1] == ("tensor",))
+    with torch.no_grad():
+        func(*args)  # oneDNN primitives are created on first use
+        trace = allocator_trace(torch.device(device))
+        with trace, trace.phase("op"):
+            out = func(*args)
+        del out
+    return trace.phases["op"].transient
+
+
+class Scratch(TorchDispatchMode):
+    """Charges each convolution's measured allocator peak (see module docstring) to
+    `tracker`, above what is live before the op. Enter it *before* the tracker, so that the
+    tracker has not yet counted the op's outputs when this mode returns."""
+
+    def __init__(self, tracker: LiveTensorTracker, device: str) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if name in OPS and not kwargs:
+            with _disable_current_modes():
+                need = _measured(self.device, name, _spec(tuple(args)))
+            self.tracker.peak = max(self.tracker.peak, self.tracker.live + need)
+        return out
+
