@@ -49,7 +49,7 @@ from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
 from rematlab.planning.budget import checked, is_auto, resolve_budget
 from rematlab.planning.planner import Planning, prepare, resident
-from rematlab.planning.preflight import target_budget
+from rematlab.planning.preflight import PREFLIGHT_MARGIN, target_budget
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, simulate
@@ -75,6 +75,9 @@ class _Searcher:
             self.budget = target_budget(target)
         else:  # batches come later
             self.budget = resolve_budget(budget, self.device, resident(model))
+        # a predicted batch keeps the pre-flight margin free: it is not verified
+        self.room = int(self.budget.nbytes / (1 + PREFLIGHT_MARGIN)) if target else \
+            self.budget.nbytes
         self.plannings: dict[int, Planning] = {}
         for b in (start, 2 * start):
             self.planning(b)
@@ -107,7 +110,7 @@ class _Searcher:
         extrapolation from small batches misses what does not scale linearly (kernels'
         scratch memory, which phase of the step peaks)."""
         def fits(b: int) -> bool:
-            return self.modelled(case, b) <= self.budget.nbytes
+            return self.modelled(case, b) <= self.room
 
         guess = largest(fits, self.start, self.limit)
         for _ in range(rounds):
@@ -200,7 +203,7 @@ class _Searcher:
                             estimate=0, measured=0, at_limit=False)
         costs = self.costs(batch)
         chosen = (none_plan(costs.n) if case == "none" else
-                  solve(costs, layers=self.layers).plan_for(self.budget.nbytes))
+                  solve(costs, layers=self.layers).plan_for(self.room))
         peak, step = simulate(chosen, costs)
         return BatchFit(case=case, batch=batch, peak=peak,
                         over=None if batch >= self.limit else self.modelled(case, batch + 1),

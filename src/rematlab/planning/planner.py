@@ -126,12 +126,12 @@ class Planning:
         frontier = self.solution.frontier
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + slack))]
-        if not self.verify:
-            if limit < self.measured_floor():
+        if not self.verify:  # the fastest whose peak and margin fit
+            fits = [p for p in frontier
+                    if (p.predicted_peak or 0) + self._margin(p.predicted_peak or 0) <= limit]
+            if not fits:
                 raise infeasible(limit, self.measured_floor())
-            chosen = self.solution.plan_for(int(limit / (1 + PREFLIGHT_MARGIN))
-                                            if self.target is not None else limit)
-            return self._named(chosen, name, limit)
+            return self._named(fits[-1], name, limit)
         skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
         tried = 0
         for candidate in reversed(pool):
