@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,11 +50,11 @@ def _seconds(work: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def _median_solve(costs: ChainCosts) -> tuple[float, float, Solution]:
+def _median_solve(costs: ChainCosts, layers: bool = False) -> tuple[float, float, Solution]:
     """Median seconds of the DP and of reading its frontier, over three fresh solves."""
     dp, front = [], []
     for _ in range(3):
-        took, solution = _seconds(lambda: solve(costs))
+        took, solution = _seconds(lambda: solve(costs, layers=layers))
         dp.append(took)
         front.append(_seconds(lambda s=solution: s.frontier)[0])
     return statistics.median(dp), statistics.median(front), solution
@@ -127,30 +125,28 @@ def _accuracy(costs: ChainCosts, solution: Solution) -> str:
 
 
 def deep_decoder(layers: int = 80) -> str:
-    """The DP on the per-layer chain of an `layers`-layer decoder whose every layer has an
-    op-level menu: one Llama-style layer (width 256, 8 x 256 tokens) profiled with its menu
-    on this CPU, its costs repeated `layers` times between the real embedding and head."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    """Issue 29's pre-flight case: a `layers`-layer Llama-style decoder built on the meta
+    device (width 1024, 16 heads, 4 key/value heads, bf16, sequence 1024, batch 1), planned
+    for an H100 with an op-level menu per layer: `prepare(predict=True,
+    target="h100-80gb", ops=True)` (the fake twin profiled, one layer's menu, the DP) and one
+    choice at 1.2x the floor. The DP and frontier are also timed alone on the same costs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from rematlab.planning.planner import prepare
-    from tests import realzoo
 
-    model, batch = realzoo.llama(batch=8, seq=256, layers=2, width=256)
-    c = prepare(model.train(), batch, ops=True).costs
-    middle = list(range(1, c.n - 1))
-    pick = [0, *([middle[0]] * layers), c.n - 1]
-
-    def column(values: list) -> list:
-        return [values[i] for i in pick]
-
-    deep = ChainCosts(**{**{k: column(getattr(c, k)) for k in (
-        "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad", "fwd_time",
-        "bwd_time", "fwd_flops", "options")}, "x": [*column(c.x[:-1]), c.x[-1]],
-        "base": c.base, "state": c.state, "optimizer_peak": c.optimizer_peak})
-    took, solution = _seconds(lambda: solve(deep, layers=True))
-    t_front, front = _seconds(lambda: solution.frontier)
-    options = len(deep.menu(1))
-    return (f"| {layers} | {options} + keep + checkpoint | {int(solution.ids.max())} | "
-            f"{solution.levels} | {took:.2f} | {t_front:.2f} | {len(front)} |")
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=1024, intermediate_size=2816,
+                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                      max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    ids = torch.empty(1, 1024, dtype=torch.int64, device="meta")
+    t_prep, planning = _seconds(lambda: prepare(model, {"input_ids": ids, "labels": ids},
+                                                predict=True, target="h100-80gb", ops=True))
+    t_choose, _ = _seconds(lambda: planning.choose(int(1.2 * planning.measured_floor())))
+    t_dp, t_front, solution = _median_solve(planning.costs, layers=True)
+    options = len(planning.costs.menu(1))
+    return (f"| {layers} | {options} + keep + checkpoint | {t_prep:.1f} | {t_dp + t_front:.2f} | "
+            f"{t_choose:.2f} | {t_prep + t_choose:.1f} | {len(solution.frontier)} |")
 
 
 def section() -> str:
@@ -179,10 +175,10 @@ def section() -> str:
     for n in HETEROGENEOUS:
         lines.append(heterogeneous_row(n))
         print(lines[-1], flush=True)
-    lines += ["", "The DP and frontier of a deep decoder's per-layer chain, every layer with "
-              "its op-level menu (`deep_decoder`: one measured layer's costs repeated; the "
-              "issue's pre-flight version, on the meta device, waits for issue 28):", "",
-              "| layers | choices per layer | distinct sub-chains | levels | DP | frontier | "
-              "frontier plans |", "|---" * 7 + "|", deep_decoder()]
+    lines += ["", "Pre-flight of a deep decoder, every layer with its op-level menu "
+              "(`deep_decoder`: an 80-layer Llama-style model on the meta device, planned for "
+              "an H100; *prepare* profiles its fake twin, builds one layer's menu and solves):",
+              "", "| layers | choices per layer | prepare (pre-flight) | DP + frontier alone | "
+              "choose | total | frontier plans |", "|---" * 7 + "|", deep_decoder()]
     print(lines[-1], flush=True)
     return "\n".join(lines) + "\n"

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
 
 from rematlab.core.batch import Batch, map_tensors
 
@@ -47,7 +46,7 @@ class FakeSession:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        with self.mode, (CudaAttention() if self.cuda else contextlib.nullcontext()):
+        with self.mode, (cuda_attention() if self.cuda else contextlib.nullcontext()):
             yield
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -87,16 +86,19 @@ def _tensor_attributes(module: nn.Module) -> Iterator[torch.Tensor]:
                 yield value
 
 
-class CudaAttention(TorchFunctionMode):
-    """`scaled_dot_product_attention` as CUDA runs it (see module docstring): its fused
-    kernels' aten ops, which have fake implementations and autograd formulas, in place of
-    the CPU's choice."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return _cuda_sdpa(*args, **kwargs)
+@contextlib.contextmanager
+def cuda_attention() -> Iterator[None]:
+    """`torch.nn.functional.scaled_dot_product_attention` as CUDA runs it (see module
+    docstring): its fused kernels' aten ops, which have fake implementations and autograd
+    formulas, in place of the CPU's choice. A patch of the function rather than a
+    `TorchFunctionMode`: a mode is off while its own handler runs, and `backward()` passes
+    through it, so a recomputation inside backward would not see the mode."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _cuda_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
