@@ -54,6 +54,36 @@ ZOO = {"mlp3": 16, "mlp5": 16, "mlp7": 16, "lenet5": 16, "alexnet": 16, "vgg16":
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIMED = (0.0, 0.5)
 GiB = 1 << 30
+READING = """## Reading
+
+- **Bytes.** A fake twin's costs are the measured profile's, byte for byte (tests:
+  `tests/test_preflight.py`), except kernels' scratch memory, which no tensor holds. On this CPU
+  that is oneDNN's convolutions (up to 20 % of VGG-16's peak): on a target that is here, each
+  convolution is run once for real at its shapes and its allocator peak charged
+  (`rematlab.preflight.workspace`). On a data-sheet GPU target, cuDNN's workspaces are not
+  modelled; transformers' matmuls and fused attention need none beyond the cuBLAS workspace,
+  which is counted.
+- **Where the prediction is off, the simulator is.** The U-Net's floor and middle plans are
+  predicted 11-12 % above their measured peaks. The measured planner's simulation of the same
+  plans, from measured costs, gives the same bytes (its costs equal the fake twin's): the chain
+  simulator is conservative on the U-Net's long skips, and the measured planner hides that by
+  verifying. Pre-flight cannot verify; it errs on the side that fits.
+- **The margin.** A predicted plan keeps 1 % of its simulated peak free
+  (`PREFLIGHT_MARGIN`), so the smallest budget pre-flight accepts is 1 % above the simulated
+  floor: the simulator misses up to 0.5 % on the other models (allocator alignment, small
+  scalars), which a measured plan's verification would catch.
+- **Time.** Per-op rates were calibrated on a suite of small steps, not on these models. The
+  simulator alone (any costs) misses what checkpointing itself costs; the calibrated
+  per-checkpoint time (`Target.extra["checkpoint"]`) brings the predicted ratios within a few
+  per cent. The interval of an overhead is narrow because both its times move with the same
+  efficiency; the interval of a time is the wide one (`Planning.interval`).
+- **Llama-3-8B.** Full fine-tuning cannot fit one 80 GB card: weights (15 GiB bf16),
+  gradients (15 GiB) and fp32 master weights and moments (90 GiB) alone are 120 GiB. With LoRA
+  the floor is the frozen weights plus the loss over a 128k vocabulary (logits in bf16, their
+  fp32 upcast and its gradient: several GiB at 4096 tokens) plus one layer's recomputation: it
+  fits an 80 GB card with room for 7 sequences per step, and misses a 24 GB card's budget (the
+  card less the CUDA context and a 5 % margin) by about 1 GiB.
+"""
 
 
 def _models():
@@ -228,7 +258,8 @@ def main() -> None:
         "",
         f"Wall time: {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads.",
-        ""])
+        "",
+        READING])
     if args.out:
         from rematlab.core.files import write_text
 
