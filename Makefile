@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-slow lint bench clean
 
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/strategies.py

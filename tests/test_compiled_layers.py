@@ -18,6 +18,7 @@ def _grads(run, model, batch) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama"])  # GPT-2 too: benchmarks/compiled_layers.py
 def test_a_compiled_per_layer_plan_keeps_its_budget_and_the_compiled_gradients(name):
     torch._dynamo.reset()

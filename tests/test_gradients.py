@@ -168,6 +168,7 @@ def quick_pretraining(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_pretraining_is_cached_as_weights_only(quick_pretraining):
     first = peft.pretrained()
     files = list(quick_pretraining.glob("bert-topics-*.pt"))
@@ -217,6 +218,7 @@ def test_layer_checkpointing_and_the_matched_plan_compute_bps_gradients(quick_pr
     assert matched.peak_bytes <= zo.peak_bytes < bp.peak_bytes
 
 
+@pytest.mark.slow
 def test_the_comparison_in_the_papers_regime(quick_pretraining):
     result = gradients.compare([peft.MODEL], [1], seeds=2, steps=6, batch=16, eval_every=3)
     methods = [r["method"] for r in result.table]

@@ -46,6 +46,7 @@ def cnn_search():
     return net, max_batch(net, torch.randn(8, *SHAPE), BUDGET, repeats=2, warmup=1)
 
 
+@pytest.mark.slow
 def test_a_deep_cnn_without_remat_exact_largest_batch(cnn_search):
     net, found = cnn_search
     none = found.fit("none")
@@ -54,6 +55,7 @@ def test_a_deep_cnn_without_remat_exact_largest_batch(cnn_search):
     assert _none_peak(net, _shape_batch(SHAPE, none.batch + 1)) > BUDGET
 
 
+@pytest.mark.slow
 def test_a_deep_cnn_with_the_optimal_plan_exact_and_larger(cnn_search):
     """Activations outweigh the weights (as on VGG-16 in the study): remat fits more."""
     net, found = cnn_search

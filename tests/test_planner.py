@@ -25,7 +25,8 @@ def _budgets(model, x, fractions):
     return planning, floor, full, [int(floor + f * (full - floor)) for f in fractions]
 
 
-@pytest.mark.parametrize(("name", "batch"), [("mlp5", 256), ("lenet5", 128), ("vgg16", 16),
+@pytest.mark.parametrize(("name", "batch"), [("mlp5", 256), ("lenet5", 128),
+                                              pytest.param("vgg16", 16, marks=pytest.mark.slow),
                                               ("alexnet", 32)])
 def test_plan_honours_the_budget_on_measurement(name, batch):
     model, shape, _ = zoo.resolve(name, "cifar" if name in ("vgg16", "alexnet") else None)
@@ -39,7 +40,8 @@ def test_plan_honours_the_budget_on_measurement(name, batch):
         assert own_loop_peak(rematlab.apply(model, chosen), x) <= budget
 
 
-@pytest.mark.parametrize(("name", "batch"), [("vgg16", 32), ("lenet5", 256)])
+@pytest.mark.parametrize(("name", "batch"), [pytest.param("vgg16", 32, marks=pytest.mark.slow),
+                                              ("lenet5", 256)])
 def test_simulated_peak_matches_the_measured_step_within_a_percent(name, batch, tmp_path):
     model, shape, _ = zoo.resolve(name, "cifar" if name == "vgg16" else None)
     x = torch.randn(batch, *shape)

@@ -246,7 +246,8 @@ def test_max_batch_predicts_on_a_meta_model_without_running():
                       limit=4096)
     none, best = found.fit("none"), found.fit("optimal")
     assert found.target == "test-cpu" and 0 < none.batch <= best.batch
-    assert best.peak <= found.budget.nbytes < best.over
+    room = found.budget.nbytes / (1 + PREFLIGHT_MARGIN)  # a predicted batch keeps a margin
+    assert best.peak <= room < best.over
     assert best.step_s > 0 and best.throughput == pytest.approx(best.batch / best.step_s)
 
 

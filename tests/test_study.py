@@ -7,6 +7,7 @@ from rematlab.study.reproduce import StudySettings, run_study
 from tests import clirun
 
 
+@pytest.mark.slow
 def test_study_end_to_end_and_rerun_reuses_every_stage(tiny_db, tmp_path, monkeypatch):
     """Over the session's tiny sweep (the sweep stage itself is tested in test_sweep)."""
     grid, db, _ = tiny_db
