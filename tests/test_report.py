@@ -2,6 +2,7 @@ import re
 from html.parser import HTMLParser
 
 import pandas as pd
+import pytest
 
 from rematlab.gradients.comparison import summarize, verdict
 from rematlab.gradients.training import train
@@ -66,6 +67,7 @@ def _results() -> StudyResults:
                         sweep={"wall_s": 10.0, "measured_s": 4.0, "harness_overhead": 0.6})
 
 
+@pytest.mark.slow
 def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     res = _results()
     html, md = render(res, tmp_path)

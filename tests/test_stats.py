@@ -57,6 +57,7 @@ def test_ties_in_memory_are_handled():
     assert verdicts["(3) mlp3: no memory benefit"] == "confirmed"
 
 
+@pytest.mark.slow
 def test_selective_equal_to_uniform_is_confirmed_and_a_difference_is_not():
     same = analyze(synthetic.summary({"vgg16": (0.7, 1.2), "alexnet": (0.8, 1.1)}),
                    settings=FAST)
@@ -114,6 +115,7 @@ def test_hodges_lehmann_matches_its_definition():
     assert hodges_lehmann(x) == np.median(walsh)
 
 
+@pytest.mark.slow
 def test_configurations_the_guard_did_not_trust_are_left_out_and_counted():
     frame = synthetic.summary({"mlp3": (0.7, 1.3), "vgg16": (0.6, 1.2)})
     frame["trusted"] = True

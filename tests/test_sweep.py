@@ -168,6 +168,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
     proc, grid_path, db = _sweep_until(tmp_path, "[3/12]")
     workers = _descendants(proc.pid)
@@ -189,6 +190,7 @@ def test_sigkill_mid_sweep_loses_at_most_the_configuration_in_flight(tmp_path):
     assert len(runs) == 24 and not runs.duplicated(["config_id", "repeat"]).any()
 
 
+@pytest.mark.slow
 def test_sigint_keeps_results_and_says_how_to_resume(tmp_path):
     proc, grid_path, db = _sweep_until(tmp_path, "[2/12]")
     proc.send_signal(signal.SIGINT)
@@ -263,6 +265,7 @@ def test_load_of_a_missing_database_is_a_config_error(tmp_path):
         load(tmp_path / "nope.duckdb")
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_backend_on_a_local_instance(tmp_path):
     """One real local Ray instance: a configuration measured in a task (its own worker

@@ -7,9 +7,10 @@ transient peaks are also read from the allocator (`probes.allocator_trace`), whi
 scratch buffers kernels allocate inside an op; the larger figure is kept. With `compile`, each
 block also runs under `torch.compile` and its memory and times are replaced by what the
 compiled block saves, allocates and takes (inductor fuses kernels and saves different tensors;
-only the allocator and saved-tensor hooks see inside compiled code). On the
-`meta` device nothing is computed and times are replaced by FLOPs: a prediction, not a
-measurement, which is how the planner works before it has touched the hardware.
+only the allocator and saved-tensor hooks see inside compiled code). For a `target`
+(pre-flight, `rematlab.preflight`) the blocks run as fake twins: the same bytes, nothing
+allocated, times from the target's roofline. On the `meta` device nothing is computed and
+times are replaced by FLOPs (what the study's analytic features use).
 """
 
 from __future__ import annotations
