@@ -72,7 +72,7 @@ class _Searcher:
         self.target = target  # predicted for it, nothing measured (`rematlab.preflight`)
         self.device = next(tensors(make(1))).device
         if target is not None and target.kind == "cuda" and is_auto(budget):
-            self.budget = target_budget(target)
+            self.budget = target_budget(target, model)
         else:  # batches come later
             self.budget = resolve_budget(budget, self.device, resident(model))
         # a predicted batch keeps the pre-flight margin free: it is not verified

@@ -93,7 +93,7 @@ class Planning:
         """`budget` in bytes, with how it was derived (`derive`; for a predicted GPU
         target, what the target has: `target_budget`)."""
         if self.target is not None and self.target.kind == "cuda" and is_auto(budget):
-            return target_budget(self.target)
+            return target_budget(self.target, self.model)
         return derive(budget, self.model, self.batch)
 
     def interval(self, chosen: Plan) -> tuple[float, float]:

@@ -19,6 +19,7 @@ from rematlab.core.units import format_bytes
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget
 from rematlab.plans.plan import ChainCosts
+from rematlab.preflight.allocator import slack
 from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
@@ -54,12 +55,17 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
                    checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt
 
 
-def target_budget(target: Target) -> DeviceBudget:
-    """What a step may hold on a GPU target: the card less the CUDA context, and less the
-    margin `device_budget` keeps on a real device (5 %, at least 256 MiB) for fragmentation
-    (`rematlab.preflight.allocator`)."""
+def target_budget(target: Target, model: nn.Module | None = None) -> DeviceBudget:
+    """What a step may hold on a GPU target: the card less the CUDA context, less the
+    segments the caching allocator needs beyond the blocks of the model's weights and
+    gradients (`rematlab.preflight.allocator.slack`), and less the margin `device_budget`
+    keeps on a real device (5 %, at least 256 MiB) for fragmentation."""
     margin = max(int(MARGIN_FRACTION * target.memory), MARGIN_MIN)
-    return DeviceBudget(target.usable - margin,
+    params = list(model.parameters()) if model is not None else []
+    sizes = [p.numel() * p.element_size() for p in params]
+    segments = slack(sizes + [n for n, p in zip(sizes, params, strict=True)
+                              if p.requires_grad])  # weights and their gradients
+    return DeviceBudget(target.usable - margin - segments,
                         f"{target.name}: {format_bytes(target.memory)} less the CUDA context "
-                        f"{format_bytes(target.context)} and a margin of "
-                        f"{format_bytes(margin)}")
+                        f"{format_bytes(target.context)}, segment rounding "
+                        f"{format_bytes(segments)} and a margin of {format_bytes(margin)}")

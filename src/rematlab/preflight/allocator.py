@@ -10,11 +10,11 @@ memory management; c10/cuda/CUDACachingAllocator.cpp), for predictions made off 
   to 2 MiB (`kRoundLarge`). `torch.cuda.memory_reserved` counts segments.
 
 A step's reserved peak lies above its allocated peak by the segments' unused tails and by
-cached blocks that do not fit later requests (fragmentation). `reserved_bounds` gives the
-least it can be — every live block in segments of its own pool, packed — which is the
-allocated peak plus the rounding of each large tensor and of each pool's last segment; the
-allocator's own `expandable_segments` setting approaches it. The CUDA context (driver and
-kernels, `Target.context`) is outside the allocator altogether.
+cached blocks that do not fit later requests (fragmentation). The tails of the weights' and
+gradients' own segments are lost for good (`slack`): a card's budget is planned without them
+(`rematlab.planning.preflight.target_budget`), and the rest of fragmentation is left to the
+margin a real device keeps too. The CUDA context (driver and kernels, `Target.context`) is
+outside the allocator altogether.
 """
 
 from __future__ import annotations
@@ -47,10 +47,9 @@ def segment(nbytes: int) -> int:
     return _up(size, ROUND_LARGE)
 
 
-def reserved_bounds(live: list[int]) -> int:
-    """The least `memory_reserved` can be while tensors of `live` bytes are alive: large
-    tensors in segments rounded to 2 MiB, the rest packed into their pools' segments."""
-    small = sum(block(n) for n in live if block(n) <= SMALL_SIZE)
-    medium = sum(block(n) for n in live if SMALL_SIZE < block(n) < MIN_LARGE_ALLOC)
-    large = sum(segment(n) for n in live if block(n) >= MIN_LARGE_ALLOC)
-    return _up(small, SMALL_BUFFER) + _up(medium, LARGE_BUFFER) + large
+def slack(live: list[int]) -> int:
+    """Bytes the allocator reserves beyond the blocks of `live` tensors that no other request
+    can use: each tensor above 10 MiB sits alone in a segment rounded up to 2 MiB. (Smaller
+    tensors share segments whose free space later requests take.) What a card's budget loses
+    to its weights and gradients before any activation."""
+    return sum(segment(n) - block(n) for n in live if block(n) >= MIN_LARGE_ALLOC)
