@@ -142,6 +142,9 @@ def test_targets_by_name_alias_and_profile(tmp_path):
     assert (card.kind, card.memory, card.unit) == ("cuda", 12 * 2**30, 512)
     with pytest.raises(ConfigError, match="unknown target"):
         resolve_target("tpu-v9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="there is none"):
+            resolve_target("cuda")
     with pytest.raises(ConfigError, match="needs"):
         resolve_target({"name": "x"})
 

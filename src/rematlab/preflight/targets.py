@@ -163,6 +163,9 @@ def resolve_target(target: str | Target | dict | None, device_type: str = "cpu")
     if target is None:
         target = "cpu" if device_type != "cuda" else "cuda"
     name = ALIASES.get(target.lower(), target.lower())
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("target cuda is the GPU here, and there is none: name a profile ("
+                          f"{', '.join(PROFILES)}) or give a profile.json")
     if name in ("cpu", "cuda"):
         return calibrated(name)
     if name in PROFILES:
