@@ -16,7 +16,7 @@ from rematlab.core.optimizers import MixedAdamW
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import prepare
-from rematlab.planning.preflight import PREFLIGHT_MARGIN
+from rematlab.planning.preflight import room, with_margin
 from rematlab.preflight import allocator
 from rematlab.preflight.targets import PROFILES, Target, interval, resolve_target
 from rematlab.remat.chain import profile_chain
@@ -205,7 +205,7 @@ def test_predicted_plans_of_gpt2_fit_when_measured():
     model.train()
     predicted = prepare(model, batch, predict=True, target=PLAIN_CPU)
     measured = prepare(model, batch)
-    low, high = predicted.measured_floor(), int(predicted.full * (1 + PREFLIGHT_MARGIN))
+    low, high = predicted.measured_floor(), with_margin(predicted.full)
     assert low > predicted.floor
     with pytest.raises(InfeasibleBudgetError):
         predicted.choose(predicted.floor)  # within the margin: not promised
@@ -248,8 +248,7 @@ def test_max_batch_predicts_on_a_meta_model_without_running():
                       limit=4096)
     none, best = found.fit("none"), found.fit("optimal")
     assert found.target == "test-cpu" and 0 < none.batch <= best.batch
-    room = found.budget.nbytes / (1 + PREFLIGHT_MARGIN)  # a predicted batch keeps a margin
-    assert best.peak <= room < best.over
+    assert best.peak <= room(found.budget.nbytes) < best.over  # a margin is kept free
     assert best.step_s > 0 and best.throughput == pytest.approx(best.batch / best.step_s)
 
 

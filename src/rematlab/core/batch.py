@@ -104,9 +104,19 @@ def call(model: Callable, batch: Batch) -> Any:
     return model(batch)
 
 
-def batch_bytes(batch: Batch) -> int:
+def batch_bytes(batch: Batch, unit: int = 1) -> int:
+    """Bytes of the batch's storages, each counted once (labels that are the input ids), each
+    rounded up to the allocator's block size `unit`."""
     seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors(batch)}
-    return sum(seen.values())
+    return sum(-(-n // unit) * unit for n in seen.values())
+
+
+def one_tensor(batch: Batch) -> torch.Tensor:
+    """The batch of a chain, which takes one tensor; a clear error for any other form."""
+    if not isinstance(batch, torch.Tensor):
+        raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
+                          "with several inputs")
+    return batch
 
 
 def make_example(batch: int, shape: tuple[int, ...] | None = None, *,

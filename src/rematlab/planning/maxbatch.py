@@ -49,7 +49,7 @@ from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
 from rematlab.planning.budget import checked, is_auto, resolve_budget
 from rematlab.planning.planner import Planning, prepare, resident
-from rematlab.planning.preflight import PREFLIGHT_MARGIN, target_budget
+from rematlab.planning.preflight import room, target_budget
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, simulate
@@ -76,8 +76,7 @@ class _Searcher:
         else:  # batches come later
             self.budget = resolve_budget(budget, self.device, resident(model))
         # a predicted batch keeps the pre-flight margin free: it is not verified
-        self.room = int(self.budget.nbytes / (1 + PREFLIGHT_MARGIN)) if target else \
-            self.budget.nbytes
+        self.room = room(self.budget.nbytes) if target else self.budget.nbytes
         self.plannings: dict[int, Planning] = {}
         for b in (start, 2 * start):
             self.planning(b)

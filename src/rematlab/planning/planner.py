@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.core.batch import call, check_batch, detached, tensors, to_device
+from rematlab.core.batch import call, check_batch, detached, one_tensor, tensors, to_device
 from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
-from rematlab.planning.preflight import PREFLIGHT_MARGIN, predicted_costs, target_budget
+from rematlab.planning.preflight import predicted_costs, room, target_budget, with_margin
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
@@ -76,13 +76,9 @@ class Planning:
         when predicted for a target, else the simulated floor; what
         `InfeasibleBudgetError.min_peak` reports."""
         if not self.verify:
-            return self.floor + self._margin(self.floor)
+            return with_margin(self.floor) if self.target is not None else self.floor
         return max(self.floor, self._measure_cached(self.solution.frontier[0]))
 
-    def _margin(self, peak: int) -> int:
-        """What a predicted plan keeps free beyond its simulated peak (`PREFLIGHT_MARGIN`):
-        it cannot be verified, and must still fit."""
-        return int(PREFLIGHT_MARGIN * peak) if self.target is not None else 0
 
     @property
     def full(self) -> int:
@@ -126,9 +122,9 @@ class Planning:
         frontier = self.solution.frontier
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + slack))]
-        if not self.verify:  # the fastest whose peak and margin fit
-            fits = [p for p in frontier
-                    if (p.predicted_peak or 0) + self._margin(p.predicted_peak or 0) <= limit]
+        if not self.verify:  # a predicted plan keeps a margin free: it is not verified
+            top = room(limit) if self.target is not None else limit
+            fits = [p for p in frontier if (p.predicted_peak or 0) <= top]
             if not fits:
                 raise infeasible(limit, self.measured_floor())
             return self._named(fits[-1], name, limit)
@@ -246,17 +242,10 @@ def prepare(
                                    ops=ops)
         solution = solve(costs, layers=True)
     else:
-        costs = profile_chain(st.blocks, _one_tensor(batch), device=dev, optimizer=optimizer,
+        costs = profile_chain(st.blocks, one_tensor(batch), device=dev, optimizer=optimizer,
                               repeats=repeats, compile=compile, ops=ops)
         solution = solve(costs)
     return Planning(model, st, batch, costs, solution, verify, compile, loss_fn)
-
-
-def _one_tensor(batch: object) -> torch.Tensor:
-    if not isinstance(batch, torch.Tensor):
-        raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
-                          "with several inputs")
-    return batch
 
 
 def plan(

@@ -13,10 +13,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rematlab.core.batch import tensors
+from rematlab.core.batch import one_tensor, tensors
 from rematlab.core.steps import LossFn
 from rematlab.core.units import format_bytes
-from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.allocator import slack
@@ -25,10 +24,21 @@ from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.structure import Structure
 
-# A predicted plan keeps this share of its simulated peak free: it is not verified, and the
-# simulator can miss a few hundred kilobytes (allocator alignment, small scalars) that a
-# measured plan's verification would catch (docs/benchmarks/preflight.md).
-PREFLIGHT_MARGIN = 0.01
+# A predicted plan keeps this share (per cent) of its simulated peak free: it is not verified,
+# and the simulator can miss a few hundred kilobytes (allocator alignment, small scalars) that
+# a measured plan's verification would catch (docs/benchmarks/preflight.md).
+MARGIN_PERCENT = 1
+
+
+def with_margin(peak: int) -> int:
+    """The smallest budget a predicted plan of simulated `peak` fits, margin included."""
+    return -(-peak * (100 + MARGIN_PERCENT) // 100)
+
+
+def room(budget: int) -> int:
+    """The largest simulated peak a predicted plan may have within `budget` (the inverse of
+    `with_margin`: `room(with_margin(p)) >= p`, in integers)."""
+    return budget * 100 // (100 + MARGIN_PERCENT)
 
 
 def predicted_costs(model: nn.Module, batch: object, st: Structure, device: object,
@@ -46,10 +56,8 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
         costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
                                target=tgt, ops=ops)
     else:
-        if not isinstance(batch, torch.Tensor):
-            raise ConfigError("a chain takes one tensor; name the layers (blocks=) of a model "
-                              "with several inputs")
-        costs = profile_chain(st.blocks, batch, optimizer=optimizer, target=tgt, ops=ops)
+        costs = profile_chain(st.blocks, one_tensor(batch), optimizer=optimizer, target=tgt,
+                              ops=ops)
     return replace(costs, base=costs.base + tgt.workspace,
                    optimizer_peak=costs.optimizer_peak + tgt.workspace,
                    checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt

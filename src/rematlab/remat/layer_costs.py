@@ -79,8 +79,7 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
                  for t in [*model.parameters(), *model.buffers()])
     grads = sum(rounded(p.numel() * p.element_size(), unit)
                 for p in model.parameters() if p.requires_grad)
-    inputs = sum(rounded(n, unit) for n in {id(t.untyped_storage()): t.untyped_storage().nbytes()
-                                            for t in tensors(batch)}.values())
+    inputs = batch_bytes(batch, unit)
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
     ranges = {}
