@@ -47,9 +47,9 @@ from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
-from rematlab.planning.budget import checked, is_auto, resolve_budget
+from rematlab.planning.budget import checked, resolve_budget
 from rematlab.planning.planner import Planning, prepare, resident
-from rematlab.planning.preflight import room, target_budget
+from rematlab.planning.preflight import card_budget, room
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, simulate
@@ -71,10 +71,8 @@ class _Searcher:
         self.optimizer, self.blocks, self.loss_fn, self.ops = optimizer, blocks, loss_fn, ops
         self.target = target  # predicted for it, nothing measured (`rematlab.preflight`)
         self.device = next(tensors(make(1))).device
-        if target is not None and target.kind == "cuda" and is_auto(budget):
-            self.budget = target_budget(target, model)
-        else:  # batches come later
-            self.budget = resolve_budget(budget, self.device, resident(model))
+        self.budget = (card_budget(budget, target, model)  # batches come later
+                       or resolve_budget(budget, self.device, resident(model)))
         # a predicted batch keeps the pre-flight margin free: it is not verified
         self.room = room(self.budget.nbytes) if target else self.budget.nbytes
         self.plannings: dict[int, Planning] = {}
@@ -322,8 +320,8 @@ def max_batch(
     batch size, or 8 for a factory) and twice it. The other keywords are `rematlab.plan`'s
     (`ops`: op-level options, kept where both profiled batches offer them); `repeats=0`
     skips the timing. With `predict`, nothing runs (`rematlab.preflight`): the batches are
-    the cost model's for `target`, profiled on fake twins near the answer, and each step
-    time is the target's roofline prediction."""
+    the cost model's for `target`, interpolated between fake profiles at `start` and twice
+    it, and each step time is the target's roofline prediction."""
     budget = checked(budget)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"max_batch() needs an nn.Module, got {type(model).__name__}")

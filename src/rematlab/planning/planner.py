@@ -29,7 +29,7 @@ from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
-from rematlab.planning.preflight import predicted_costs, room, target_budget, with_margin
+from rematlab.planning.preflight import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
@@ -88,9 +88,8 @@ class Planning:
     def budget(self, budget: str | int) -> DeviceBudget:
         """`budget` in bytes, with how it was derived (`derive`; for a predicted GPU
         target, what the target has: `target_budget`)."""
-        if self.target is not None and self.target.kind == "cuda" and is_auto(budget):
-            return target_budget(self.target, self.model)
-        return derive(budget, self.model, self.batch)
+        return (card_budget(budget, self.target, self.model)
+                or derive(budget, self.model, self.batch))
 
     def interval(self, chosen: Plan) -> tuple[float, float]:
         """A predicted plan's step time at the fast and the slow end of the target's

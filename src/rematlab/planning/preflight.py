@@ -16,7 +16,7 @@ from torch import nn
 from rematlab.core.batch import one_tensor, tensors
 from rematlab.core.steps import LossFn
 from rematlab.core.units import format_bytes
-from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget
+from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget, is_auto
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.allocator import slack
 from rematlab.preflight.targets import Target, resolve_target
@@ -61,6 +61,15 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
     return replace(costs, base=costs.base + tgt.workspace,
                    optimizer_peak=costs.optimizer_peak + tgt.workspace,
                    checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt
+
+
+def card_budget(budget: str | int, target: Target | None, model: nn.Module
+                ) -> DeviceBudget | None:
+    """`budget="auto"` for a GPU target (`target_budget`); None where the budget is a size
+    or the target a CPU, which derive it as a measured plan does."""
+    if target is not None and target.kind == "cuda" and is_auto(budget):
+        return target_budget(target, model)
+    return None
 
 
 def target_budget(target: Target, model: nn.Module | None = None) -> DeviceBudget:

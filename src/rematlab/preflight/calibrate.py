@@ -89,8 +89,9 @@ class _OpTimer(TorchDispatchMode):
         return out
 
 
-def _step(module: nn.Module, x: torch.Tensor) -> None:
-    out = module(x)
+def _step(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """One training step of `run` (a piece of the suite, plain or checkpointed) on `x`."""
+    out = run(x)
     (out.float().square().mean() if out.is_floating_point() else out.sum()).backward()
 
 
@@ -145,17 +146,11 @@ def _checkpoint_seconds(pieces: list[tuple[nn.Module, torch.Tensor]],
     """Seconds that checkpointing a piece adds to its step beyond running its forward again:
     checkpointing's own work (saved-tensor hooks, the RNG state, the recomputation on a cold
     cache). The median over the suite's pieces, never below 0."""
-    def step_of(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable:
-        def step() -> None:
-            out = run(x)
-            (out.float().square().mean() if out.is_floating_point() else out.sum()).backward()
-        return step
-
     extra = []
     for module, x in pieces:
-        plain = _median_seconds(step_of(module, x), sync)
-        ckpt = _median_seconds(step_of(lambda v, m=module: checkpoint(m, v, use_reentrant=False),
-                                       x), sync)
+        plain = _median_seconds(lambda m=module, x=x: _step(m, x), sync)
+        ckpt = _median_seconds(lambda m=module, x=x: _step(
+            lambda v: checkpoint(m, v, use_reentrant=False), x), sync)
         extra.append(ckpt - plain - _median_seconds(lambda m=module, x=x: m(x), sync))
     return max(0.0, statistics.median(extra))
 
