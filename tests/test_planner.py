@@ -61,10 +61,11 @@ def test_simulated_peak_matches_the_measured_step_within_a_percent(name, batch, 
 def test_infeasible_budget_raises_with_the_minimum_peak():
     model = zoo.mlp(5, width=64)
     x = torch.randn(64, 1, 28, 28)
+    planning = rematlab.prepare(model, x)
     with pytest.raises(InfeasibleBudgetError) as info:
-        plan(model, x, "1KiB")
+        planning.choose("1KiB")
     assert info.value.min_peak > 1024
-    chosen = plan(model, x, info.value.min_peak)  # the floor is itself a budget
+    chosen = planning.choose(info.value.min_peak)  # the floor is itself a budget
     assert own_loop_peak(rematlab.apply(model, chosen), x) <= info.value.min_peak
 
 

@@ -35,9 +35,10 @@ def test_float64_gradients_equal_the_plain_model_with_dropout_replayed(name, str
     model, batch = realzoo.MODELS[name]()
     model, batch = model.double().train(), _double(batch)
     if strategy == "plan":  # the floor plan: the most recomputation the planner allows
+        planning = rematlab.prepare(model, batch, optimizer=None)
         with pytest.raises(InfeasibleBudgetError) as err:
-            rematlab.plan(model, batch, 1, optimizer=None)
-        strategy = rematlab.plan(model, batch, err.value.min_peak, optimizer=None)
+            planning.choose(1)
+        strategy = planning.choose(err.value.min_peak)
         assert strategy.segments, "the floor plan checkpoints something"
     remat = rematlab.apply(model, strategy, example_input=batch)
     assert type(remat) is type(model)
@@ -53,10 +54,10 @@ def test_float64_gradients_equal_the_plain_model_with_dropout_replayed(name, str
 def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budget(name):
     model, batch = realzoo.MODELS[name](batch=8)
     model.train()
-    with pytest.raises(InfeasibleBudgetError) as err:
-        rematlab.plan(model, batch, 1)
-    floor = err.value.min_peak
     planning = rematlab.prepare(model, batch)  # profiled once, then any budget
+    with pytest.raises(InfeasibleBudgetError) as err:
+        planning.choose(1)
+    floor = err.value.min_peak
     full = planning.choose("100GiB").measured_peak
     assert floor < full
     floor_plan = planning.choose(floor)  # the floor is a budget
@@ -75,11 +76,12 @@ def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budge
 def test_simulated_peak_is_within_3_percent_of_the_measured_one(name):
     model, batch = realzoo.MODELS[name](batch=8)
     model.train()
+    planning = rematlab.prepare(model, batch)
     with pytest.raises(InfeasibleBudgetError) as err:
-        rematlab.plan(model, batch, 1)
-    full = rematlab.plan(model, batch, "100GiB").measured_peak
+        planning.choose(1)
+    full = planning.choose("100GiB").measured_peak
     for budget in (err.value.min_peak, (err.value.min_peak + full) // 2, full):
-        chosen = rematlab.plan(model, batch, budget)
+        chosen = planning.choose(budget)
         error = (chosen.predicted_peak - chosen.measured_peak) / chosen.measured_peak
         assert -0.01 <= error <= 0.03, (chosen.describe(), error)
 

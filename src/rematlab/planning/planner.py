@@ -268,7 +268,9 @@ def plan(
     models that run their own layer loop); `ops` also offers each block op-level options
     (save some ops' outputs, recompute the rest: `rematlab.remat.ops`), one per kept block.
     Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
-    feasible budget.
+    feasible budget for the same profile: keep `prepare(...)`'s `Planning` to choose again
+    (a new profile on a busy machine can break a tie between equally small plans, which
+    measure a few KiB apart, the other way).
     """
     budget = checked(budget)  # a bad budget fails before any profiling
     return prepare(model, example_inputs, **kwargs).choose(budget)
