@@ -69,6 +69,25 @@ def test_infeasible_budget_raises_with_the_minimum_peak():
     assert own_loop_peak(rematlab.apply(model, chosen), x) <= info.value.min_peak
 
 
+def _wide_loss(out, batch):
+    """A loss that saves eight outputs' worth (`pow` keeps the repeated tensor)."""
+    return (out.repeat(1, 8) ** 2).mean()
+
+
+@pytest.mark.parametrize("loss_fn", [None, _wide_loss])
+def test_a_chains_loss_is_measured_not_assumed(loss_fn):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256),
+                                                      torch.nn.ReLU()) for _ in range(6)))
+    x = torch.randn(256, 256)
+    planning = prepare(model, x, loss_fn=loss_fn, optimizer=None)
+    full = planning.full
+    for budget in (planning.floor, (planning.floor + full) // 2, full):
+        chosen = planning.solution.plan_for(budget)
+        measured = planning.measure(chosen)
+        assert abs(chosen.predicted_peak - measured) <= 0.01 * measured, chosen.describe()
+
+
 def test_planned_model_trains_with_the_same_gradients():
     model = zoo.mlp(7, width=64).double()
     x = torch.randn(256, 1, 28, 28, dtype=torch.float64)

@@ -79,6 +79,49 @@ def test_fake_costs_of_gpt2_are_the_real_runs_bytes():
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_deep_models_profile_from_its_short_twins_equals_the_full_one(name, monkeypatch):
+    from dataclasses import asdict
+
+    from rematlab.remat import shorten
+
+    model, batch = getattr(realzoo, name)(batch=2, seq=16, layers=6)
+    model.train()
+    layers = structure(model, batch).blocks
+    container = shorten._container(model, layers)
+    kept = dict(container._modules)
+    target = resolve_target(PLAIN_CPU)
+    short = asdict(profile_layers(model, batch, layers, optimizer="adam", target=target))
+    assert dict(container._modules) == kept  # the model has all its layers again
+    monkeypatch.setattr(shorten, "MIN_LAYERS", 10**6)  # the whole model's step
+    full = asdict(profile_layers(model, batch, layers, optimizer="adam", target=target))
+    assert short.keys() == full.keys()
+    for key in short:
+        if key in ("fwd_time", "bwd_time"):
+            assert short[key] == pytest.approx(full[key], rel=1e-9), key
+        elif key in ("fwd_range", "bwd_range"):
+            assert [list(r) for r in short[key]] == [pytest.approx(list(r), rel=1e-9)
+                                                      for r in full[key]], key
+        else:
+            assert short[key] == full[key], key
+
+
+def test_layers_that_differ_in_a_plain_attribute_are_not_shortened():
+    from rematlab.remat.shorten import shortened
+
+    model, batch = realzoo.gpt2(batch=2, seq=16, layers=6)
+    layers = structure(model, batch).blocks
+    with shortened(model, layers) as short:
+        assert short == [layers[0], layers[1], layers[-1]]
+        assert list(model.transformer.h) == short
+    layers[3].attn.attention_type = "sliding"  # what a repr does not show
+    with shortened(model, layers) as short:
+        assert short is None
+    with shortened(model, layers[:4]) as short:  # too few layers to gain anything
+        assert short is None
+    assert list(model.transformer.h) == layers
+
+
 def _hwm_reset() -> int:
     """Reset the process's resident high-water mark (VmHWM) to its current RSS."""
     Path("/proc/self/clear_refs").write_text("5")

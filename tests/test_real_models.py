@@ -72,7 +72,7 @@ def test_plans_keep_their_budget_in_the_models_own_loop_and_the_floor_is_a_budge
         model.load_state_dict(state)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "unet"])
 def test_simulated_peak_is_within_3_percent_of_the_measured_one(name):
     model, batch = realzoo.MODELS[name](batch=8)
     model.train()

@@ -242,7 +242,7 @@ def prepare(
         solution = solve(costs, layers=True)
     else:
         costs = profile_chain(st.blocks, one_tensor(batch), device=dev, optimizer=optimizer,
-                              repeats=repeats, compile=compile, ops=ops)
+                              repeats=repeats, compile=compile, ops=ops, loss_fn=loss_fn)
         solution = solve(costs)
     return Planning(model, st, batch, costs, solution, verify, compile, loss_fn)
 

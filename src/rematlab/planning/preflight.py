@@ -57,7 +57,7 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
                                target=tgt, ops=ops)
     else:
         costs = profile_chain(st.blocks, one_tensor(batch), optimizer=optimizer, target=tgt,
-                              ops=ops)
+                              ops=ops, loss_fn=loss_fn)
     return replace(costs, base=costs.base + tgt.workspace,
                    optimizer_peak=costs.optimizer_peak + tgt.workspace,
                    checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt

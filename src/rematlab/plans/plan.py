@@ -82,7 +82,10 @@ class ChainCosts:
     the bytes block i saves for backward other than parameters, its input and its output;
     `keeps_input`/`keeps_output` whether those boundary tensors are among the saved ones;
     `fwd_mem[i]` / `bwd_mem[i]` the transient peak of block i's forward / backward above the
-    memory live just before it; `grad[i]` the parameter-gradient bytes of block i.
+    memory live just before it; `rec_mem[i]` that of its forward when it ends a recomputed
+    segment (torch stops recomputing at the last tensor the segment saved; empty: as
+    `fwd_mem`); `grad[i]` the parameter-gradient bytes of block i; `loss_mem` the loss's peak
+    at the end of the forward, above `base`.
     """
 
     x: list[int]
@@ -95,7 +98,9 @@ class ChainCosts:
     fwd_time: list[float]
     bwd_time: list[float]
     fwd_flops: list[float] = field(default_factory=list)
-    base: int = 0  # parameters + optimizer state + input batch + loss gradient
+    rec_mem: list[int] = field(default_factory=list)
+    base: int = 0  # parameters + optimizer state + input batch + output + its gradient
+    loss_mem: int = 0
     state: int = 0  # optimizer state (part of base)
     optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
     options: list[list[Option]] = field(default_factory=list)  # per block; [] = keep or not
@@ -317,8 +322,12 @@ def keep_terms(c: ChainCosts, s: int, end: int, held_in: bool, opt: Option | Non
                                         opt.fwd_mem, opt.bwd_mem) if opt else
                                        (c.saved[s], c.keeps_input[s], c.keeps_output[s],
                                         c.fwd_mem[s], c.bwd_mem[s]))
+    if end == s + 1 < c.n and not opt and c.rec_mem:  # it ends a recomputed segment
+        fwd_mem = c.rec_mem[s]
     held = saved + (c.x[s] if ki and not held_in else 0) + (c.x[s + 1] if ko else 0)
     fwd = (0 if held_in else c.x[s]) + fwd_mem
+    if s == c.n - 1:  # the chain's last block is always kept: the loss runs after it
+        fwd = max(fwd, held + c.loss_mem)
     bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + bwd_mem
     return held, fwd, bwd
 

@@ -192,6 +192,7 @@ def intern_subchains(c: ChainCosts, layers: bool) -> tuple[np.ndarray, np.ndarra
     kinds: dict[tuple, int] = {}
     kind = [kinds.setdefault((c.x[i], c.x[i + 1], c.saved[i], c.keeps_input[i],
                               c.keeps_output[i], c.fwd_mem[i], c.bwd_mem[i], c.grad[i],
+                              c.rec_mem[i] if c.rec_mem else None, i == n - 1,
                               c.fwd_time[i], c.bwd_time[i], _alone(i, n, layers),
                               tuple(c.menu(i))), len(kinds))
             for i in range(n)]

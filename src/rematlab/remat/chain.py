@@ -1,8 +1,9 @@
 """Each block of a chain gets its costs.
 
 `profile_chain` runs every block once forward and backward with the live-tensor tracker:
-input/output bytes, saved bytes (parameters excluded), the transient peaks of forward and
-backward, parameter-gradient bytes, FLOPs, and — on a real device — median times. There the
+input/output bytes, saved bytes (parameters excluded), the transient peaks of forward,
+backward and of a recomputation (which stops at the last saved tensor), parameter-gradient
+bytes, FLOPs, and — on a real device — median times; then the loss on the chain's output. There the
 transient peaks are also read from the allocator (`probes.allocator_trace`), which sees the
 scratch buffers kernels allocate inside an op; the larger figure is kept. With `compile`, each
 block also runs under `torch.compile` and its memory and times are replaced by what the
@@ -29,7 +30,7 @@ from rematlab.core.probes import (
     rounded,
     storage_key,
 )
-from rematlab.core.steps import preserved, unit_loss
+from rematlab.core.steps import LossFn, default_loss, preserved, unit_loss
 from rematlab.core.timer import time_block, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
@@ -51,6 +52,7 @@ def profile_chain(
     compile: bool = False,
     ops: bool = False,
     target: Target | None = None,
+    loss_fn: LossFn | None = None,
 ) -> ChainCosts:
     """Per-block costs at the example input's batch size (see module docstring); `unit`
     rounds every allocation up to the allocator's block size (512 for CUDA predictions).
@@ -73,9 +75,10 @@ def profile_chain(
     else:
         run = [meta_copy(b) for b in blocks] if meta else blocks
         x = example_input.to(device)
+    batch = x  # what the loss is given besides the output
     base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
-        "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "grad",
+        "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem", "grad",
         "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range")}
     params_bytes = 0
     watch = (session.active() if session is not None else contextlib.nullcontext() if meta
@@ -111,17 +114,38 @@ def profile_chain(
             fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
         state, transient = optimizer_memory([p for b in run for p in b.parameters()],
                                             optimizer, unit)
+        peak, loss_bytes = loss_peak(x, batch, loss_fn, unit)
     out_bytes = fields["x"][-1]
-    # the output (alive until the step ends, as in a user's loop), the loss's saved tensor
-    # (log-softmax) and the output's gradient, int64 labels (see `rematlab.core.steps`)
-    loss_bytes = 3 * out_bytes + 8 * x.shape[0]
+    fields["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
     grads = sum(fields["grad"])
     return ChainCosts(
         **fields,
-        base=params_bytes + state + base_input + loss_bytes,
+        # the output and the loss (alive until the step ends, as in a user's loop), the
+        # gradient backward starts from (alive until it ends), and the output's gradient
+        # (from the loss's backward until the last block's, then the next gradient's place)
+        base=params_bytes + state + base_input + 2 * out_bytes + 2 * loss_bytes,
+        loss_mem=peak - out_bytes - 2 * loss_bytes,
         state=state,
-        optimizer_peak=params_bytes + grads + state + transient + base_input,
+        # the output and the loss are still alive in the user's loop
+        optimizer_peak=params_bytes + grads + state + transient + base_input + out_bytes
+        + loss_bytes,
     )
+
+
+def loss_peak(out: torch.Tensor, batch: torch.Tensor, loss_fn: LossFn | None, unit: int
+              ) -> tuple[int, int]:
+    """The peak of the loss's forward and backward above what is live before it (the
+    output), its gradient included, and the loss's own bytes: the user's loss or
+    `default_loss`, measured, because what it saves differs (cross-entropy keeps a
+    log-softmax as large as the output, the mean square nothing beyond the output)."""
+    y = out.detach().requires_grad_()
+    tracker = LiveTensorTracker(unit=unit)
+    tracker.track([y, batch])
+    before = tracker.live
+    with tracker:
+        loss = (loss_fn or default_loss)(y, batch)
+        loss.backward()
+    return tracker.peak - before, rounded(loss.element_size() * loss.numel(), unit)
 
 
 class Repeats:
@@ -218,7 +242,8 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
     counting = contextlib.nullcontext() if compile else tracker
     flops = FlopCounterMode(display=False)
-    logs = (OpLog(), OpLog()) if target is not None else None
+    # forward, backward, and the unit loss's own backward (not the block's: subtracted)
+    logs = (OpLog(), OpLog(), OpLog()) if target is not None else None
     priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
     here = target is not None and target.calibrated  # kernels' scratch, asked of the device
     scratch = (lambda: Scratch(tracker, target.kind)) if here else contextlib.nullcontext
@@ -226,17 +251,27 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     allocator = allocator_trace(x_in.device) if real else None
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
+    marks: list[int] = []  # the forward's running peak each time autograd saves a tensor
+
+    def pack_marked(t: torch.Tensor) -> torch.Tensor:
+        marks.append(tracker.peak)
+        return pack(t)
+
     with allocator or contextlib.nullcontext():
         before = tracker.live
         with phase("forward"), scratch(), counting, \
                 flops if not compile else contextlib.nullcontext(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), priced(0):
+                torch.autograd.graph.saved_tensors_hooks(pack_marked, lambda t: t), priced(0):
             out = run(x_in)
         fwd_mem = tracker.peak - before
+        # a recomputation stops once the last saved tensor is made again (torch's early
+        # stop), so the ops after it, the output among them, are not run
+        rec_mem = (marks[-1] - before) if marks else 0
         kin, kout = storage_key(x_in), storage_key(out)
         nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
         out_bytes = rounded(out.element_size() * out.numel(), unit)
-        if out.requires_grad:
+        bwd_ran = out.requires_grad
+        if bwd_ran:
             loss = unit_loss(out)  # `bwd_mem` is the peak above the output gradient
             del out  # autograd alone decides when the output dies, as in a real step
             before_bwd = tracker.live
@@ -245,14 +280,19 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
                 loss.backward()
             bwd_mem = tracker.peak - before_bwd - out_bytes
     if allocator is not None:  # kernel workspaces, compiled code: only the allocator sees them
-        fwd_mem = max(fwd_mem, allocator.phases["forward"].transient)
+        if allocator.phases["forward"].transient > fwd_mem:  # unseen when: assume all of it
+            fwd_mem = rec_mem = allocator.phases["forward"].transient
         if "backward" in allocator.phases:
             bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
     fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
     ranges = {}
     if logs is not None:
-        (f_lo, fwd_time, f_hi), (b_lo, bwd_time, b_hi) = (interval(log.ops, target)
-                                                          for log in logs)
+        if bwd_ran:
+            with priced(2):
+                unit_loss(nxt.detach().requires_grad_()).backward()
+        fwd, bwd, extra = (interval(log.ops, target) for log in logs)
+        (f_lo, fwd_time, f_hi) = fwd
+        b_lo, bwd_time, b_hi = (max(0.0, b - e) for b, e in zip(bwd, extra, strict=True))
         ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi)}
     return {
         **ranges,
@@ -261,6 +301,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         "keeps_input": kin in saved,
         "keeps_output": kout in saved,
         "fwd_mem": fwd_mem,
+        "rec_mem": fwd_mem if compile else min(fwd_mem, rec_mem),
         "bwd_mem": bwd_mem,
         "grad": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()
                     if p.requires_grad),
@@ -272,8 +313,8 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     }
 
 
-COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "bwd_mem", "fwd_time",
-                 "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
+COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem",
+                 "fwd_time", "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from rematlab.preflight.targets import Target, interval
 from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import block_options
+from rematlab.remat.shorten import shortened, stretched
 
 
 def _output_tensor(out: Any) -> torch.Tensor:
@@ -63,15 +64,28 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
                     loss_fn: LossFn | None, optimizer: str | None, repeats: int,
                     compile: bool, ops: bool, target: Target | None) -> ChainCosts:
     unit = target.unit if target is not None else 1
-    calls = capture(model, batch, layers)
     device = next(tensors(batch)).device
+    # a pre-flight profile runs a three-layer twin where the layers are alike (`shorten`)
     with watched("the layers' forward and backward times") if target is None \
-            else contextlib.nullcontext():
+            else contextlib.nullcontext(), \
+            shortened(model, layers) if target is not None \
+            else contextlib.nullcontext() as short:
+        run = short or layers
         repeated = Repeats()
         rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated, ops,
                                target)
-                for layer, host_call in zip(layers, calls, strict=True)]
-        outer = outer_costs(model, batch, layers, loss_fn, repeats, target)
+                for layer, host_call in zip(run, capture(model, batch, run), strict=True)]
+        outer = outer_costs(model, batch, run, loss_fn, repeats, target)
+    if short:
+        with shortened(model, layers, keep=4) as longer:
+            more = outer_costs(model, batch, longer, loss_fn, repeats, target)
+        rows, outer = stretched(rows, outer, more, len(layers))
+    # the step's time outside the layers: what no plan changes, so predicted times are steps
+    outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
+    outside_range = tuple(max(0.0, outer["step_range"][end] - sum(
+        r["fwd_range"][end] + r["bwd_range"][end] for r in rows))
+        for end in (0, 1)) if target is not None else None
+    live = outer["layer_live"]
     x = [0, *(r["x"] for r in rows), rounded(rows[-1]["out"].untyped_storage().nbytes(), unit),
          0]
     state, transient = optimizer_memory(list(model.parameters()), optimizer, unit)
@@ -80,19 +94,15 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
     grads = sum(rounded(p.numel() * p.element_size(), unit)
                 for p in model.parameters() if p.requires_grad)
     inputs = batch_bytes(batch, unit)
-    # the step's time outside the layers: what no plan changes, so predicted times are steps
-    outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
     ranges = {}
     if target is not None:  # the same at each end of the predicted interval
         ranges = {"fwd_range": [(0.0, 0.0), *(r["fwd_range"] for r in rows), (0.0, 0.0)],
-                  "bwd_range": [tuple(max(0.0, outer["step_range"][end] - sum(
-                      r["fwd_range"][end] + r["bwd_range"][end] for r in rows))
-                      for end in (0, 1)), *(r["bwd_range"] for r in rows), (0.0, 0.0)]}
+                  "bwd_range": [outside_range, *(r["bwd_range"] for r in rows),
+                                (0.0, 0.0)]}
 
     # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
     # outputs): the live bytes each layer added in the real step, less what its profile
     # explains. A checkpointed layer holds none of it (caches are not passed to it).
-    live = outer["layer_live"]
     for i, r in enumerate(rows):
         nxt = x[i + 2]
         explained = r["saved"] + nxt - (0 if r["keeps_input"] or i == 0 else r["x"])
@@ -107,15 +117,18 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
         keeps_input=column("keeps_input", False, outer["after_keeps_input"]),
         keeps_output=column("keeps_output", False, False),
         fwd_mem=column("fwd_mem", outer["before_fwd"], outer["after_fwd"]),
+        rec_mem=column("rec_mem", outer["before_fwd"], outer["after_fwd"]),
         bwd_mem=column("bwd_mem", outer["before_bwd"], outer["after_bwd"]),
         grad=column("grad", outer["before_grad"], outer["after_grad"]),
         fwd_time=column("fwd_time", 0.0, 0.0),
         bwd_time=column("bwd_time", outside, 0.0),
         fwd_flops=column("fwd_flops", 0.0, 0.0),
         options=[[], *(r.get("options", []) for r in rows), []],
-        base=params + state + inputs + outer["output"],
+        base=params + state + inputs + outer["output"] + outer["loss"],
         state=state,
-        optimizer_peak=params + grads + state + transient + inputs,
+        # the output and the loss are still alive in the user's loop
+        optimizer_peak=params + grads + state + transient + inputs + outer["output"]
+        + outer["loss"],
         **ranges,
     )
 
@@ -210,6 +223,8 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
                 mark("forward_end")
                 alive = seen["y_ref"]() is not None
                 output = batch_bytes(out)  # the user's loop keeps the output until the end
+                loss_bytes = 0 if any(t is loss for t in tensors(out)) else rounded(
+                    loss.element_size() * loss.numel(), tracker.unit)  # the model's own?
                 loss.backward()
                 mark("end")
             del out, loss
@@ -236,6 +251,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
     return {
         "layer_live": layer_live,
         "output": output,
+        "loss": loss_bytes,
         "before_saved": first_in_[0] - start - seen["x_first"],
         "before_fwd": first_in_[1] - start,
         "before_bwd": 0 if frozen else end[1] - events["first_grad"][0],

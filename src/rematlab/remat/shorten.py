@@ -1,0 +1,89 @@
+"""A model with many identical layers profiled through a three-layer twin of itself.
+
+A pre-flight profile of an 80-layer model runs its fake twin's whole step twice (the layers'
+arguments captured, then the tracked step that measures what runs before and after them),
+although the layers in between are alike and `Repeats` profiles one of them: most of the
+planning time of a large model. Running the model with its layer list cut to its first,
+second and last layer gives the same arguments to each layer, the same parts before and
+after them, and one middle layer's live-byte increment; the rest follows by repetition.
+
+A four-layer twin's step gives the time one more layer adds to the step. It applies only
+where that is safe: the layers are the whole of one `nn.ModuleList`, and all
+of them after the first are alike — class, `repr`, parameter and buffer shapes, and every
+plain attribute (an `attention_type`, a sliding window) other than the layer's index. The
+model's own loop then runs the three layers as it would run eighty (`for layer in
+self.layers[: config.num_hidden_layers]`, `enumerate(self.h)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+MIN_LAYERS = 5  # the twins run three and four layers: on fewer they would save nothing
+_INDEX_WORDS = ("idx", "index", "layer_id", "layer_num")  # attributes that number a layer
+
+
+def _attributes(module: nn.Module) -> tuple:
+    """The plain attributes of a layer and its submodules, its index left out."""
+    return tuple(
+        (name, key, value) for name, sub in module.named_modules()
+        for key, value in sorted(vars(sub).items())
+        if isinstance(value, (bool, int, float, str)) and not key.startswith("_")
+        and not any(word in key for word in _INDEX_WORDS))
+
+
+def _signature(layer: nn.Module) -> tuple:
+    return (type(layer).__qualname__, repr(layer), layer.training,
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                  for n, p in layer.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
+            _attributes(layer))
+
+
+def _container(model: nn.Module, layers: list[nn.Module]) -> nn.ModuleList | None:
+    """The `nn.ModuleList` that holds exactly `layers`, in order, if there is one."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == len(layers) \
+                and all(a is b for a, b in zip(module, layers, strict=True)):
+            return module
+    return None
+
+
+@contextlib.contextmanager
+def shortened(model: nn.Module, layers: list[nn.Module], keep: int = 3
+              ) -> Iterator[list[nn.Module] | None]:
+    """Within the block, `model` runs only its first `keep - 1` layers and its last, which
+    it yields; None (and the model unchanged) where that is not safe (module docstring)."""
+    container = _container(model, layers)
+    rest = {_signature(layer) for layer in layers[1:]} if len(layers) >= MIN_LAYERS else set()
+    if container is None or len(rest) != 1:
+        yield None
+        return
+    short = [*layers[: keep - 1], layers[-1]]
+    full = container._modules
+    container._modules = {str(i): layer for i, layer in enumerate(short)}
+    try:
+        yield short
+    finally:
+        container._modules = full
+
+
+def stretched(rows: list[dict], outer: dict, longer: dict, n: int) -> tuple[list[dict], dict]:
+    """The three-layer twin's profiles and outer costs (`layer_costs.outer_costs`) as the
+    `n` layers': the second layer's profile for every middle one, its live bytes repeated,
+    and the step's time grown by what one more middle layer added to it in the four-layer
+    twin's step (`longer`), which includes what a layer profiled alone does not see."""
+    first, middle, last = rows
+    live = outer["layer_live"]
+    step = live[2] - live[1]
+    more = n - 3
+    grown = {"layer_live": [*live[:3], *(live[2] + step * i for i in range(1, more + 1)),
+                            live[3] + step * more],
+             "step_time": outer["step_time"] + more * (longer["step_time"] - outer["step_time"])}
+    if "step_range" in outer:
+        grown["step_range"] = tuple(a + more * (b - a) for a, b in
+                                    zip(outer["step_range"], longer["step_range"], strict=True))
+    return [first, *(dict(middle) for _ in range(n - 2)), last], {**outer, **grown}
