@@ -6,10 +6,16 @@ For each model (GPT-2, BERT and a Llama-style decoder from transformers configs;
 ResNet-style CNN; VGG-16 from the zoo) and five budgets from the op-level floor to the
 unconstrained peak: the op-level plan (`prepare(..., ops=True).choose`), the block/layer plan
 (`prepare(...).choose`), transformers' `every_n_layers` (the largest n that fits) and "save
-matmuls" on every layer (torchtitan's policy, where it fits). Peaks are measured by the
-planner's own step measurement; step times are medians of interleaved rounds by the one timer
-(`benchmarks/real_models._side_by_side`, under the interference guard), as ratios to keeping
-everything measured in the same rounds. Planning times are wall-clock seconds of one run.
+matmuls" on every layer (torchtitan's policy, where it fits), and `torch.compile` of the
+plain model with the partitioner's `activation_memory_budget` at `COMPILE_FRACTIONS` (the
+largest fraction whose compiled step fits). Peaks are measured by the planner's own step
+measurement (compiled steps: the allocator's trace, which sees inside compiled code); step
+times are medians of interleaved rounds by the one timer (`benchmarks/real_models._side_by_
+side`, under the interference guard), as ratios to keeping everything measured in the same
+rounds. A compiled fraction is timed in its own side-by-side run against keeping everything
+(dynamo keeps one compiled graph per model, so two fractions cannot share a run). Planning
+times are wall-clock seconds of one run. Each model's Pareto figure (measured peak against
+time ratio, every candidate) is written next to the document.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from rematlab.remat.strategies import apply
 from tests import realzoo
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+COMPILE_FRACTIONS = (0.0, 0.5, 1.0)  # torch._functorch.config.activation_memory_budget
 
 
 def _models() -> dict:
@@ -60,6 +67,51 @@ def _save_matmuls(planning: Planning) -> Plan | None:
     return Plan(c.n, tuple(items)) if any(isinstance(it, Selective) for it in items) else None
 
 
+def _compiled(model, batch, planning: Planning, rounds: int) -> dict[float, tuple]:
+    """Per `activation_memory_budget` fraction: the compiled plain step's measured peak, and
+    its time ratio to keeping everything (eager) with the ratio's spread, side by side."""
+    n = planning.costs.n
+    out = {}
+    for fraction in COMPILE_FRACTIONS:
+        torch._dynamo.reset()  # a fraction is read when a graph is compiled
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            peak = planning.measure(Plan(n, tuple(range(n)), compiled=True))
+            fn = torch.compile(model, dynamic=False)
+            got, _ = _side_by_side({"none": lambda: model, "compiled": lambda fn=fn: fn},
+                                   batch, model, rounds)
+        out[fraction] = (peak, got["compiled"][0] / got["none"][0],
+                         max(got["compiled"][1], got["none"][1]))
+    torch._dynamo.reset()
+    return out
+
+
+def pareto(name: str, points: dict[str, list[tuple[int, float]]], where: Path) -> Path:
+    """One figure: every candidate's measured peak against its time ratio to keeping
+    everything, a line per kind of plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in points.items():
+        pts = sorted(set(pts))
+        if pts:
+            ax.plot([p / 2**20 for p, _ in pts], [t for _, t in pts], marker="o",
+                    linestyle="-" if len(pts) > 1 else "none", label=label)
+    ax.set_xlabel("measured step peak (MiB)")
+    ax.set_ylabel("step time / keeping everything")
+    ax.set_title(f"{name}: memory against time, this CPU")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = where / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def summary(name: str, floors: tuple[int, int], got: list[tuple[float, dict, bool]]) -> str:
     """One line on the issue's goals: floors, never slower than the block plan beyond the
     noise (the larger of the two spreads; not judged where both are the same plan), and the
@@ -79,7 +131,8 @@ def summary(name: str, floors: tuple[int, int], got: list[tuple[float, dict, boo
             + (", ".join(f"{-v:+.0%}" for v in mid) if mid else "n/a"))
 
 
-def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
+def bench(name: str, make, rounds: int, figures: Path | None
+          ) -> tuple[list[str], str, Path | None]:
     torch.manual_seed(0)
     model, batch = make()
     model.train()
@@ -93,6 +146,10 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
     full = blocks.choose(10 * 2**40).measured_peak
     matmuls = _save_matmuls(ops)
     matmul_peak = ops.measure(matmuls) if matmuls else None
+    compiled = _compiled(model, batch, blocks, rounds)
+    points: dict[str, list[tuple[int, float]]] = {
+        "op-level": [], "block/layer": [], "every_n_layers": [], "save matmuls": [],
+        "torch.compile (activation_memory_budget)": [(p, r) for p, r, _ in compiled.values()]}
     rows, ratios = [], []
     for frac in FRACTIONS:
         budget = round(floor + frac * (full - floor))  # 1.0: exactly the unconstrained peak
@@ -116,11 +173,24 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
         base = got["none"][0]
         ratios.append((frac, {k: (v[0] / base, v[1]) for k, v in got.items()},
                        theirs is not None and theirs.describe() == mine.describe()))
+        fits["op-level"] = mine.measured_peak
+        for key, kind in (("op-level", "op-level"), ("block", "block/layer"),
+                          ("save matmuls", "save matmuls")):
+            if key in got:
+                points[kind].append((fits[key], got[key][0] / base))
+        points["every_n_layers"] += [(fits[k], got[k][0] / base) for k in got
+                                     if k.startswith("every_n")]
 
         def cell(key: str, got=got, base=base, fits=fits) -> str:
             if key not in got:
                 return "does not fit"
             return f"{got[key][0] / base:.3f}x ±{got[key][1]:.0%} ({format_bytes(fits[key])})"
+
+        fitting = [f for f, (peak, _, _) in compiled.items() if peak <= budget]
+        best = max(fitting, default=None)
+        compile_cell = ("does not fit" if best is None else
+                        f"{best:g}: {compiled[best][1]:.3f}x ±{compiled[best][2]:.0%} "
+                        f"({format_bytes(compiled[best][0])})")
 
         best_hf = min((k for k in got if k.startswith("every_n")), default=None,
                       key=lambda k: got[k][0])
@@ -129,12 +199,14 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], str]:
             f"{format_bytes(mine.measured_peak)} | {got['op-level'][0] / base:.3f}x "
             f"±{got['op-level'][1]:.0%} | {cell('block')} | "
             + (f"{best_hf}: {cell(best_hf)}" if best_hf else "—") + f" | {cell('save matmuls')} "
-            f"| {ops_s:.1f} s / {blocks_s:.1f} s | {'yes' if evidence.trusted else 'no'} |")
+            f"| {compile_cell} | {ops_s:.1f} s / {blocks_s:.1f} s | "
+            f"{'yes' if evidence.trusted else 'no'} |")
         print(rows[-1], flush=True)
     rows.append(f"| {name} | floors | op-level {format_bytes(floor)}, block "
                 f"{format_bytes(block_floor)}, unconstrained {format_bytes(full)} | "
-                + _dispatch_cost(ops) + " | | | | | | | |")
-    return rows, summary(name, (floor, block_floor), ratios)
+                + _dispatch_cost(ops) + " | | | | | | | | |")
+    figure = pareto(name, points, figures) if figures is not None else None
+    return rows, summary(name, (floor, block_floor), ratios), figure
 
 
 def _dispatch_cost(planning: Planning) -> str:
@@ -191,18 +263,23 @@ def main() -> None:
     rounds = 2 if args.quick else 3
     lines = ["| model | budget (floor → unconstrained) | budget | op-level plan | measured peak "
              "| op-level time / none | block plan | every_n_layers (largest that fits) | "
-             "save matmuls | planning (op / block) | trusted |", "|---" * 11 + "|"]
-    summaries = []
+             "save matmuls | torch.compile (largest fraction that fits) | "
+             "planning (op / block) | trusted |", "|---" * 12 + "|"]
+    summaries, figures = [], []
+    where = args.out.parent / "op-level" if args.out else None
     for name, make in _models().items():
-        rows, line = bench(name, make, rounds)
+        rows, line, figure = bench(name, make, rounds, where)
         lines += rows
         summaries.append(line)
+        if figure is not None:
+            figures.append(f"![{name}](op-level/{figure.name})")
     text = ("# Op-level plans\n\nProduced by `python benchmarks/op_level.py` (module docstring: "
             "what is measured and how), " + time.strftime("%Y-%m-%d") + f", torch "
             f"{torch.__version__}, 2 threads. Times are median step times over {rounds} "
             "interleaved rounds as ratios to keeping everything (± IQR / median); peaks in "
             "brackets are measured.\n\n" + "\n".join(lines) + "\n\n## Against the goals\n\n"
-            + "\n".join(summaries) + "\n\n" + planning_time_gpt2_12() + "\n")
+            + "\n".join(summaries) + "\n\n" + planning_time_gpt2_12() + "\n"
+            + ("\n## Pareto figures\n\n" + "\n\n".join(figures) + "\n" if figures else ""))
     if args.out:
         from rematlab.core.files import write_text
 

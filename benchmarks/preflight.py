@@ -64,11 +64,13 @@ READING = """## Reading
   (`rematlab.preflight.workspace`). On a data-sheet GPU target, cuDNN's workspaces are not
   modelled; transformers' matmuls and fused attention need none beyond the cuBLAS workspace,
   which is counted.
-- **Where the prediction is off, the simulator is.** The U-Net's floor and middle plans are
-  predicted 11-12 % above their measured peaks. The measured planner's simulation of the same
-  plans, from measured costs, gives the same bytes (its costs equal the fake twin's): the chain
-  simulator is conservative on the U-Net's long skips, and the measured planner hides that by
-  verifying. Pre-flight cannot verify; it errs on the side that fits.
+- **The simulator's two corrections (this run).** A previous run predicted the U-Net's
+  floor and middle plans 11-12 % above their measured peaks, from measured costs too. Two
+  causes, both fixed in the chain simulator: the loss was assumed to keep three outputs'
+  worth for the whole step (cross-entropy's log-softmax), where the U-Net's mean square keeps
+  none beyond the output (the loss is now measured: `rematlab.remat.chain.loss_peak`); and a
+  recomputed segment was charged its block's full forward, where torch stops recomputing at
+  the last saved tensor (`ChainCosts.rec_mem`). The U-Net is now within 0.2 %.
 - **The margin.** A predicted plan keeps 1 % of its simulated peak free
   (`MARGIN_PERCENT`), so the smallest budget pre-flight accepts is 1 % above the simulated
   floor: the simulator misses up to 0.5 % on the other models (allocator alignment, small

@@ -1,3 +1,5 @@
+import json
+
 import pandas as pd
 import pytest
 
@@ -35,6 +37,11 @@ def test_study_end_to_end_and_rerun_reuses_every_stage(tiny_db, tmp_path, monkey
             header = [c.strip() for c in guidelines.splitlines()[1].split("|")]
             value = cells[header.index("enables batch under cap")]
             assert value == "none" or value.isdigit(), line
+
+    # the plan stage plans with op-level menus (the default), and every plan was measured
+    # within its budget
+    plans = json.loads((tmp_path / "out" / "cache" / "plans.json").read_text())["value"]["rows"]
+    assert plans and all(row["within_budget"] for row in plans)
 
     import rematlab.gradients.comparison
     import rematlab.study.predictor

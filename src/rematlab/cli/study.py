@@ -357,6 +357,9 @@ def study(
     out: Annotated[Path, typer.Option(help="report directory")] = Path("results/study"),
     backend: Annotated[str, typer.Option(help="local or ray")] = "local",
     device: Annotated[str | None, typer.Option(help="override the grid's devices")] = None,
+    ops: Annotated[bool, typer.Option(
+        help="the plan stage offers op-level options (save some ops, recompute the rest)")
+    ] = True,
 ) -> None:
     """Reproduce the whole study: sweep, predictors, statistics, plans, gradients, report."""
     from rematlab.measurement.spec import available, parse_device
@@ -367,7 +370,8 @@ def study(
         available(parse_device(device))
     spec_grid = load_grid(grid)
     database = db or Path("results") / f"{spec_grid.name}.duckdb"
-    settings = StudySettings(grid=grid, db=database, out=out, backend=backend, device=device)
+    settings = StudySettings(grid=grid, db=database, out=out, backend=backend, device=device,
+                             plan_ops=ops)
 
     def runner(g, path):
         return run_sweep(g, path, backend, None, grid)

@@ -38,6 +38,7 @@ class StudySettings:
     gradient_steps: int = 600
     gradient_batch: int = 32
     plan_fractions: tuple[float, ...] = (0.1, 0.5, 0.9)
+    plan_ops: bool = True  # the plan stage offers op-level options (`rematlab.remat.ops`)
 
 
 class _Cache:
@@ -135,7 +136,7 @@ def run_study(settings: StudySettings, say: Say = print,
     stats["guidelines"] = with_batches(stats.get("guidelines", []), batches["rows"])
 
     say("[5/7] planner demonstrations")
-    plan_key = f"{key}|{settings.plan_fractions}|{grid.devices[0]}"
+    plan_key = f"{key}|{settings.plan_fractions}|{settings.plan_ops}|{grid.devices[0]}"
     plans = cache.get("plans", plan_key)
     if plans is None:
         plans = {"rows": _plan_stage(grid, settings, out, say)}
@@ -242,8 +243,9 @@ def with_batches(guidelines: list[dict], batches: list[dict]) -> list[dict]:
 
 def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> list[dict]:
     """For each zoo model of the grid at its largest batch: plans at a few budgets between
-    the floor and the unconstrained peak, verified, then measured as a training step; beside
-    each, the best uniform count that fits the same budget (simulated)."""
+    the floor and the unconstrained peak (with op-level options where `plan_ops`, as
+    `prepare(ops=True)`), verified, then measured as a training step; beside each, the best
+    uniform count that fits the same budget (simulated)."""
     from rematlab.measurement import zoo
     from rematlab.measurement.measure import measure
     from rematlab.measurement.spec import Spec
@@ -268,7 +270,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         net, shape, _ = zoo.resolve(spec.model, spec.input)
         net = net.to(device).train()
         x = torch.randn(batch, *shape, device=device)
-        planning = prepare(net, x, optimizer=spec.optimizer)
+        planning = prepare(net, x, optimizer=spec.optimizer, ops=settings.plan_ops)
         solution, costs = planning.solution, planning.costs
         full, full_time = simulate(none_plan(costs.n), costs)
         budgets = {int(solution.min_peak + f * (full - solution.min_peak)): f
