@@ -149,7 +149,8 @@ def bench(name: str, make, rounds: int, figures: Path | None
     compiled = _compiled(model, batch, blocks, rounds)
     points: dict[str, list[tuple[int, float]]] = {
         "op-level": [], "block/layer": [], "every_n_layers": [], "save matmuls": [],
-        "torch.compile (activation_memory_budget)": [(p, r) for p, r, _ in compiled.values()]}
+        "torch.compile (activation_memory_budget)": [(p, r) for p, r, _ in compiled.values()],
+        "keep everything": [(full, 1.0)]}
     rows, ratios = [], []
     for frac in FRACTIONS:
         budget = round(floor + frac * (full - floor))  # 1.0: exactly the unconstrained peak

@@ -102,7 +102,8 @@ def train_step(model: nn.Module, batch: Batch, *, run: Callable | None = None,
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
-    out, loss = timed("forward", lambda: forward(run or model, batch, loss_fn))
+    runs = run if run is not None else model  # a compiled module has no truth value
+    out, loss = timed("forward", lambda: forward(runs, batch, loss_fn))
     timed("backward", loss.backward)
     if optimizer is not None:
         timed("optimizer", optimizer.step)

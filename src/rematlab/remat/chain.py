@@ -3,15 +3,15 @@
 `profile_chain` runs every block once forward and backward with the live-tensor tracker:
 input/output bytes, saved bytes (parameters excluded), the transient peaks of forward,
 backward and of a recomputation (which stops at the last saved tensor), parameter-gradient
-bytes, FLOPs, and — on a real device — median times; then the loss on the chain's output. There the
-transient peaks are also read from the allocator (`probes.allocator_trace`), which sees the
-scratch buffers kernels allocate inside an op; the larger figure is kept. With `compile`, each
-block also runs under `torch.compile` and its memory and times are replaced by what the
-compiled block saves, allocates and takes (inductor fuses kernels and saves different tensors;
-only the allocator and saved-tensor hooks see inside compiled code). For a `target`
-(pre-flight, `rematlab.preflight`) the blocks run as fake twins: the same bytes, nothing
-allocated, times from the target's roofline. On the `meta` device nothing is computed and
-times are replaced by FLOPs (what the study's analytic features use).
+bytes, FLOPs, and — on a real device — median times; then the loss on the chain's output.
+There the transient peaks are also read from the allocator (`probes.allocator_trace`), which
+sees the scratch buffers kernels allocate inside an op; the larger figure is kept. With
+`compile`, each block also runs under `torch.compile` and its memory and times are replaced
+by what the compiled block saves, allocates and takes (inductor fuses kernels and saves
+different tensors; only the allocator and saved-tensor hooks see inside compiled code). For a
+`target` (pre-flight, `rematlab.preflight`) the blocks run as fake twins: the same bytes,
+nothing allocated, times from the target's roofline. On the `meta` device nothing is computed
+and times are replaced by FLOPs (what the study's analytic features use).
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
             with priced(2):
                 unit_loss(nxt.detach().requires_grad_()).backward()
         fwd, bwd, extra = (interval(log.ops, target) for log in logs)
-        (f_lo, fwd_time, f_hi) = fwd
+        f_lo, fwd_time, f_hi = fwd
         b_lo, bwd_time, b_hi = (max(0.0, b - e) for b, e in zip(bwd, extra, strict=True))
         ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi)}
     return {
