@@ -41,6 +41,32 @@ from rematlab.remat.strategies import apply
 from tests import realzoo
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+READING = """## Reading
+
+- **Noise.** This run shared a 2-core VM with other work: many rows are marked untrusted by
+  the interference guard and spreads reach ±20-36 %. The same plan measured twice in one run
+  can differ by 17 % (ResNet at 1.00: the op-level and block plans are the same plan, 1.205x
+  and 1.032x). Differences of a few per cent between two plans are not resolved here.
+- **Why op-level options gain little on this CPU** (the *floors* rows). On GPT-2, a layer's
+  forward under selective checkpointing's dispatch mode costs 81.2 ms against 80.2 ms plain:
+  the mode itself is cheap at width 256. Its backward with the recomputation of everything
+  but the matmuls costs 137.5 ms against 92.7 ms: recomputing the pointwise ops, softmax and
+  layer norms takes 45 ms, more than half of the 80 ms that recomputing the whole layer
+  takes. On two CPU cores those memory-bound ops are not cheap beside oneDNN's matmuls, so an
+  option saves about half of a whole-layer recomputation's time while freeing less than half
+  of its memory; the solver's choice is then close to the per-layer plan's, and the gains
+  (GPT-2: 15 % and 139 % less overhead at 0.25 and 0.50; BERT: 14 % and 36 % at 0.25 and
+  0.75) sit within the noise at other budgets. What would change it: a device where matmuls
+  dominate a layer's time (a GPU, at a width of thousands), where pointwise recomputation
+  costs a few per cent of the layer and Megatron-style options pay.
+- **torch.compile** fuses the pointwise ops, so where a fraction fits it is the fastest
+  candidate on GPT-2, Llama and the ResNet (0.79-0.96x of eager keeping everything), not on
+  BERT (1.12-1.15x). It reaches below the eager floor on Llama (fraction 0: 91.4 MiB against
+  96.4 MiB), on no other model, and its peak is not monotone in `activation_memory_budget`
+  (see each figure's compile points; pytorch#197838). Op-level plans are eager plans: a
+  compiled op-level plan is refused (`ops=True` with `compile=True`), and block plans can be
+  planned for the compiled step (`compile=True`, docs/benchmarks/planner.md).
+"""
 COMPILE_FRACTIONS = (0.0, 0.5, 1.0)  # torch._functorch.config.activation_memory_budget
 
 
@@ -279,7 +305,7 @@ def main() -> None:
             f"{torch.__version__}, 2 threads. Times are median step times over {rounds} "
             "interleaved rounds as ratios to keeping everything (± IQR / median); peaks in "
             "brackets are measured.\n\n" + "\n".join(lines) + "\n\n## Against the goals\n\n"
-            + "\n".join(summaries) + "\n\n" + planning_time_gpt2_12() + "\n"
+            + "\n".join(summaries) + "\n\n" + planning_time_gpt2_12() + "\n\n" + READING
             + ("\n## Pareto figures\n\n" + "\n\n".join(figures) + "\n" if figures else ""))
     if args.out:
         from rematlab.core.files import write_text

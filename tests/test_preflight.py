@@ -106,6 +106,33 @@ def test_a_deep_models_profile_from_its_short_twins_equals_the_full_one(name, mo
             assert short[key] == full[key], key
 
 
+class _Indexed(realzoo.Decoder):
+    """A loop that indexes its layers by a count of its own: it cannot run shortened."""
+
+    def forward(self, idx, shift, pad):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos[:, :t] + shift[:, None, None]
+        causal = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
+        for i in range(self.count):
+            x = self.layers[i](x, causal)
+        return self.head(x) * pad[..., None]
+
+
+def test_a_loop_that_cannot_run_shortened_is_profiled_whole(monkeypatch):
+    from dataclasses import asdict
+
+    from rematlab.remat import shorten
+
+    model = _Indexed(layers=6).train()
+    model.count = 6
+    batch = (torch.randint(0, 50, (2, 12)), torch.randn(2), torch.ones(2, 12))
+    layers = structure(model, batch).blocks
+    target = resolve_target(PLAIN_CPU)
+    got = asdict(profile_layers(model, batch, layers, target=target))
+    monkeypatch.setattr(shorten, "MIN_LAYERS", 10**6)
+    assert got == asdict(profile_layers(model, batch, layers, target=target))
+
+
 def test_layers_that_differ_in_a_plain_attribute_are_not_shortened():
     from rematlab.remat.shorten import shortened
 

@@ -271,9 +271,10 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         net = net.to(device).train()
         x = torch.randn(batch, *shape, device=device)
         planning = prepare(net, x, optimizer=spec.optimizer, ops=settings.plan_ops)
-        solution, costs = planning.solution, planning.costs
+        costs, floor = planning.costs, planning.measured_floor()  # what choose accepts
         full, full_time = simulate(none_plan(costs.n), costs)
-        budgets = {int(solution.min_peak + f * (full - solution.min_peak)): f
+        full = max(full, floor)
+        budgets = {int(floor + f * (full - floor)): f
                    for f in settings.plan_fractions}  # one budget when floor == full
         for budget, frac in budgets.items():
             chosen = planning.choose(budget)
@@ -287,7 +288,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
             uniform = next((r for r in planning.baselines(budget)
                             if r["strategy"].startswith("uniform")), None)
             rows.append({"model": spec.model, "input": spec.input, "batch": batch,
-                         "budget": budget, "floor": solution.min_peak, "plan": chosen.describe(),
+                         "budget": budget, "floor": floor, "plan": chosen.describe(),
                          "predicted_peak": chosen.predicted_peak,
                          "measured_peak": obs.peak if obs.outcome == "ok" else None,
                          "within_budget": bool(obs.peak is not None and obs.peak <= budget),
