@@ -235,6 +235,26 @@ def test_the_roofline_prices_compute_and_bytes_within_its_interval():
     assert typical >= mm.flops / (h100.flops["float32"] * h100.efficiency[1])
 
 
+def test_a_blocks_priced_backward_is_its_own_ops_only():
+    """The unit loss that makes the profile's output gradient is not the block's: in a step
+    that gradient comes from the next block."""
+    from rematlab.preflight.roofline import OpLog
+    from rematlab.remat.chain import profile_block
+
+    target = resolve_target(PLAIN_CPU)
+    x = torch.randn(64, 256)
+    y = nn.ReLU()(x.requires_grad_())
+    grad = torch.ones_like(y)
+    log = OpLog()
+    with log:
+        y.backward(grad)  # ReLU's backward alone: one threshold_backward
+    assert [op.name for op in log.ops] == ["threshold_backward"]
+    row = profile_block(nn.ReLU(), torch.randn(64, 256).requires_grad_().clone(), repeats=0,
+                        target=target)
+    assert row["bwd_range"][0] == pytest.approx(interval(log.ops, target)[0], rel=1e-9)
+    assert row["bwd_time"] == pytest.approx(interval(log.ops, target)[1], rel=1e-9)
+
+
 def test_mixed_adamw_keeps_fp32_state_and_matches_adamw_on_fp32_weights():
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(64, 32))

@@ -288,8 +288,9 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     ranges = {}
     if logs is not None:
         if bwd_ran:
+            alone = unit_loss(nxt.detach().requires_grad_())
             with priced(2):
-                unit_loss(nxt.detach().requires_grad_()).backward()
+                alone.backward()
         fwd, bwd, extra = (interval(log.ops, target) for log in logs)
         f_lo, fwd_time, f_hi = fwd
         b_lo, bwd_time, b_hi = (max(0.0, b - e) for b, e in zip(bwd, extra, strict=True))
