@@ -152,6 +152,22 @@ def interval(ops: list[LoggedOp], target: Target) -> tuple[float, float, float]:
             seconds(ops, target, "slow"))
 
 
+def backward_interval(ops: list[LoggedOp], out: torch.Tensor, target: Target
+                      ) -> tuple[float, float, float]:
+    """`interval` of a profiled block's backward, `ops`, less the ops of the unit loss that
+    made its output gradient (`core.steps.unit_loss` on a tensor like `out`): in a real step
+    that gradient comes from the next block."""
+    from rematlab.core.steps import unit_loss
+    from rematlab.preflight.roofline import OpLog
+
+    like = torch.empty_like(out, device="meta").requires_grad_()  # costs nothing to run
+    loss, log = unit_loss(like), OpLog()
+    with log:
+        loss.backward()
+    return tuple(max(0.0, a - b) for a, b in zip(interval(ops, target),
+                                                 interval(log.ops, target), strict=True))
+
+
 def resolve_target(target: str | Target | dict | None, device_type: str = "cpu") -> Target:
     """A `Target` from a profile name (`PROFILES`, or "cpu": this machine, calibrated), a
     JSON file of a profile the user gives, a dict of its fields, or None: the device the

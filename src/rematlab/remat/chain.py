@@ -36,7 +36,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession, is_fake
 from rematlab.preflight.roofline import OpLog
-from rematlab.preflight.targets import Target, interval
+from rematlab.preflight.targets import Target, backward_interval, interval
 from rematlab.preflight.workspace import Scratch
 from rematlab.remat.ops import block_options
 from rematlab.remat.tracing import meta_copy
@@ -242,8 +242,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
     counting = contextlib.nullcontext() if compile else tracker
     flops = FlopCounterMode(display=False)
-    # forward, backward, and the unit loss's own backward (not the block's: subtracted)
-    logs = (OpLog(), OpLog(), OpLog()) if target is not None else None
+    logs = (OpLog(), OpLog()) if target is not None else None
     priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
     here = target is not None and target.calibrated  # kernels' scratch, asked of the device
     scratch = (lambda: Scratch(tracker, target.kind)) if here else contextlib.nullcontext
@@ -287,13 +286,9 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
     ranges = {}
     if logs is not None:
-        if bwd_ran:
-            alone = unit_loss(nxt.detach().requires_grad_())
-            with priced(2):
-                alone.backward()
-        fwd, bwd, extra = (interval(log.ops, target) for log in logs)
-        f_lo, fwd_time, f_hi = fwd
-        b_lo, bwd_time, b_hi = (max(0.0, b - e) for b, e in zip(bwd, extra, strict=True))
+        f_lo, fwd_time, f_hi = interval(logs[0].ops, target)
+        b_lo, bwd_time, b_hi = (backward_interval(logs[1].ops, nxt, target) if bwd_ran
+                                else (0.0, 0.0, 0.0))
         ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi)}
     return {
         **ranges,

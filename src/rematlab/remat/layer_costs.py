@@ -289,9 +289,10 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
 
 def _step_time(model: nn.Module, batch: Batch, loss_fn: LossFn | None, repeats: int) -> float:
     """Median seconds of a forward+backward step with every layer kept, by the one timer
-    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
+    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's). No warm-up
+    of its own: the tracked step just before it ran the same code on the same shapes."""
     if repeats < 1:
         return 0.0
     timer = profile_timer(next(tensors(batch)).device)
     work = timed(lambda: train_step(model, batch, loss_fn=loss_fn))
-    return timer.run(work, repeats, warmup=1).median()
+    return timer.run(work, repeats, warmup=0).median()

@@ -43,7 +43,7 @@ from rematlab.core.timer import time_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
-from rematlab.preflight.targets import Target, interval
+from rematlab.preflight.targets import Target, backward_interval, interval
 from rematlab.remat.recompute import RecomputeStats, selective_contexts
 
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -319,6 +319,7 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
             out = selective(x_in)
         fwd_mem = tracker.peak - before
         out_bytes = rounded(out.untyped_storage().nbytes(), unit)
+        like = torch.empty_like(out, device="meta")  # its shape, for `backward_interval`
         alive = weakref.ref(out.untyped_storage())
         loss = unit_loss(out)
         del out
@@ -330,7 +331,8 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
             loss.backward()
         bwd_mem = tracker.peak - before_bwd - out_bytes
     if logs is not None:
-        fwd_time, bwd_time = (interval(log.ops, target)[1] for log in logs)
+        fwd_time = interval(logs[0].ops, target)[1]
+        bwd_time = backward_interval(logs[1].ops, like, target)[1]
     else:
         fwd_time, bwd_time = time_block(selective, x_in, repeats) if repeats else (0.0, 0.0)
     return Option(name=item.option, saves=saves,
