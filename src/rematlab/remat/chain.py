@@ -166,7 +166,7 @@ class Repeats:
               forward: Callable[[], torch.Tensor]) -> dict | None:
         """The remembered costs of a block like `module` on `inputs` with `out` its own
         output of `forward()`, or None when it must be profiled."""
-        row = self.rows.get(_structure(module, inputs))
+        row = self.rows.get(structure_key(module, inputs))
         if row is None:
             return None
         flops = FlopCounterMode(display=False)
@@ -177,10 +177,12 @@ class Repeats:
         return {**row, "out": out}
 
     def remember(self, module: nn.Module, inputs: list[torch.Tensor], row: dict) -> None:
-        self.rows.setdefault(_structure(module, inputs), row)
+        self.rows.setdefault(structure_key(module, inputs), row)
 
 
-def _structure(module: nn.Module, inputs: list[torch.Tensor]) -> tuple:
+def structure_key(module: nn.Module, inputs: list[torch.Tensor]) -> tuple:
+    """What makes two blocks the same for `Repeats` (and `shorten`): class, repr, training
+    flag, parameter and buffer shapes and dtypes, and the inputs' shapes."""
     return (type(module).__qualname__, repr(module), module.training,
             tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                   for n, p in module.named_parameters()),

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from rematlab.remat.chain import structure_key
+
 MIN_LAYERS = 5  # the twins run three and four layers: on fewer they would save nothing
 _INDEX_WORDS = ("idx", "index", "layer_id", "layer_num")  # attributes that number a layer
 
@@ -36,11 +38,7 @@ def _attributes(module: nn.Module) -> tuple:
 
 
 def _signature(layer: nn.Module) -> tuple:
-    return (type(layer).__qualname__, repr(layer), layer.training,
-            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
-                  for n, p in layer.named_parameters()),
-            tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
-            _attributes(layer))
+    return structure_key(layer, []), _attributes(layer)
 
 
 def _container(model: nn.Module, layers: list[nn.Module]) -> nn.ModuleList | None:
