@@ -177,7 +177,8 @@ def section() -> str:
         print(lines[-1], flush=True)
     lines += ["", "Pre-flight of a deep decoder, every layer with its op-level menu "
               "(`deep_decoder`: an 80-layer Llama-style model on the meta device, planned for "
-              "an H100; *prepare* profiles its fake twin, builds one layer's menu and solves):",
+              "an H100; *prepare* profiles its fake twin through three- and four-layer "
+              "twins (`rematlab.remat.shorten`), builds one layer's menu and solves):",
               "", "| layers | choices per layer | prepare (pre-flight) | DP + frontier alone | "
               "choose | total | frontier plans |", "|---" * 7 + "|", deep_decoder()]
     print(lines[-1], flush=True)
