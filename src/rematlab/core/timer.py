@@ -163,9 +163,10 @@ class Timer:
 
 
 def time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
-                repeats: int) -> tuple[float, float]:
+               repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds of `block` on `x_in`, by the one timer
-    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's)."""
+    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's). No warm-up of
+    its own: its callers have just run the block on the same input (a tracked run)."""
     def work(clock: Clock) -> dict[str, float]:
         clock.start()
         out = block(x_in)
@@ -177,5 +178,5 @@ def time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor
         return {"forward": forward, "backward": backward, "step": forward + backward}
 
     timer = profile_timer(x_in.device)
-    timing = timer.run(work, repeats, warmup=1)
+    timing = timer.run(work, repeats, warmup=0)
     return timing.median(phase="forward"), timing.median(phase="backward")

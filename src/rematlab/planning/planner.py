@@ -232,15 +232,15 @@ def prepare(
         raise ConfigError("a model or batch on the meta device has no data: plan it with "
                           "predict=True (and a target)")
     batch = to_device(example_inputs, dev)
-    runs_on(model, model, batch, type(model).__name__)
     repeats = 1 if dev.type == "cpu" else 3
-    if st.kind == "layers":
+    if st.kind == "layers":  # its first forward (`capture`) checks the batch
         with compiling():
             costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
                                    optimizer=optimizer, repeats=repeats, compile=compile,
                                    ops=ops)
         solution = solve(costs, layers=True)
     else:
+        runs_on(model, model, batch, type(model).__name__)
         costs = profile_chain(st.blocks, one_tensor(batch), device=dev, optimizer=optimizer,
                               repeats=repeats, compile=compile, ops=ops, loss_fn=loss_fn)
         solution = solve(costs)

@@ -285,6 +285,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
             fwd_mem = rec_mem = allocator.phases["forward"].transient
         if "backward" in allocator.phases:
             bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
+    # the tracked run above was the warm-up (first kernels, compiled code already warmed)
     fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
     ranges = {}
     if logs is not None:

@@ -64,13 +64,12 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
                     loss_fn: LossFn | None, optimizer: str | None, repeats: int,
                     compile: bool, ops: bool, target: Target | None) -> ChainCosts:
     unit = target.unit if target is not None else 1
-    # a pre-flight profile runs short twins where the layers are alike (`shorten`)
-    short = (_shortened_run(model, batch, layers, loss_fn, ops, target)
-             if target is not None else None)
     with watched("the layers' forward and backward times") if target is None \
             else contextlib.nullcontext():
-        rows, outer = short or _run(model, batch, layers, loss_fn, repeats, compile, ops,
-                                    target)
+        # short twins where the layers are alike (`shorten`), the whole model otherwise
+        rows, outer = (_shortened_run(model, batch, layers, loss_fn, repeats, compile, ops,
+                                      target)
+                       or _run(model, batch, layers, loss_fn, repeats, compile, ops, target))
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
     outside_range = tuple(max(0.0, outer["step_range"][end] - sum(
@@ -136,22 +135,24 @@ def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], loss_fn: LossF
 
 
 def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                   loss_fn: LossFn | None, ops: bool, target: Target
-                   ) -> tuple[list[dict], dict] | None:
-    """`_run` through the three- and four-layer twins (`rematlab.remat.shorten`); None where
-    they do not apply, or where the model's loop does not run a shortened layer list (one
-    that indexes its layers by the config's count): the whole model's run then reports any
-    error that is real."""
+                   loss_fn: LossFn | None, repeats: int, compile: bool, ops: bool,
+                   target: Target | None) -> tuple[list[dict], dict] | None:
+    """`_run` through the three-layer twin (`rematlab.remat.shorten`), and pre-flight the
+    four-layer twin's step time; None where they do not apply, or where the model's loop
+    does not run a shortened layer list (one that indexes its layers by the config's count):
+    the whole model's run then reports any error that is real."""
     try:
         with shortened(model, layers) as short:
             if short is None:
                 return None
-            rows, outer = _run(model, batch, short, loss_fn, 0, False, ops, target)
-        with shortened(model, layers, keep=4) as longer:
-            more = outer_costs(model, batch, longer, loss_fn, 0, target)
+            rows, outer = _run(model, batch, short, loss_fn, repeats, compile, ops, target)
+        longer = None
+        if target is not None:
+            with shortened(model, layers, keep=4) as four:
+                longer = outer_costs(model, batch, four, loss_fn, 0, target)
     except Exception:  # see the docstring: the whole model's run decides
         return None
-    return stretched(rows, outer, more, len(layers))
+    return stretched(rows, outer, longer, len(layers))
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,

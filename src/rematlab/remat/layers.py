@@ -42,8 +42,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.core.batch import Batch, call, detached, first_float, tensors, to_device
-from rematlab.core.steps import preserved
+from rematlab.core.batch import Batch, detached, first_float, tensors, to_device
+from rematlab.core.steps import runs_on
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
 from rematlab.remat.ops import run_option
@@ -89,8 +89,10 @@ class LayerCall:
 
 
 def capture(model: nn.Module, batch: Batch, layers: list[nn.Module]) -> list[LayerCall]:
-    """Run one forward (no grad, state restored) and record what each layer received; each
-    layer must run exactly once, in the given order."""
+    """Run one forward (no grad, state restored: `runs_on`, so a batch the model cannot take
+    is said in one line, and the planner needs no forward of its own to check it) and
+    record what each layer received; each layer must run exactly once, in the given
+    order."""
     calls: list[tuple[int, LayerCall]] = []
 
     def hook(i: int) -> Callable:
@@ -104,8 +106,7 @@ def capture(model: nn.Module, batch: Batch, layers: list[nn.Module]) -> list[Lay
     handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True)
                for i, m in enumerate(layers)]
     try:
-        with torch.no_grad(), preserved(model):
-            call(model, batch)
+        runs_on(model, model, batch, type(model).__name__)
     finally:
         for h in handles:
             h.remove()

@@ -334,7 +334,9 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         fwd_time = interval(logs[0].ops, target)[1]
         bwd_time = backward_interval(logs[1].ops, like, target)[1]
     else:
-        fwd_time, bwd_time = time_block(selective, x_in, repeats) if repeats else (0.0, 0.0)
+        # the tracked run above was the warm-up
+        fwd_time, bwd_time = (time_block(selective, x_in, repeats) if repeats
+                              else (0.0, 0.0))
     return Option(name=item.option, saves=saves,
                   saved=max(0, held - (out_bytes if keeps_output else 0)), keeps_input=True,
                   keeps_output=keeps_output, fwd_mem=fwd_mem, bwd_mem=max(0, bwd_mem),

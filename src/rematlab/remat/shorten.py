@@ -1,18 +1,20 @@
 """A model with many identical layers profiled through a three-layer twin of itself.
 
-A pre-flight profile of an 80-layer model runs its fake twin's whole step twice (the layers'
-arguments captured, then the tracked step that measures what runs before and after them),
-although the layers in between are alike and `Repeats` profiles one of them: most of the
-planning time of a large model. Running the model with its layer list cut to its first,
+Profiling a model that runs its own layer loop runs its whole step twice or more (the
+layers' arguments captured, the tracked step that measures what runs before and after them,
+the timed step), although the layers in between are alike and `Repeats` profiles one of
+them: most of the planning time of a deep model, measured (GPT-2 with 12 layers) or
+pre-flight (an 80-layer fake twin). Running the model with its layer list cut to its first,
 second and last layer gives the same arguments to each layer, the same parts before and
 after them, and one middle layer's live-byte increment; the rest follows by repetition.
 
-A four-layer twin's step gives the time one more layer adds to the step. It applies only
-where that is safe: the layers are the whole of one `nn.ModuleList`, and all
+Pre-flight, a four-layer twin's step gives the time one more layer adds to the step. It
+applies only where that is safe: the layers are the whole of one `nn.ModuleList`, and all
 of them after the first are alike — class, `repr`, parameter and buffer shapes, and every
 plain attribute (an `attention_type`, a sliding window) other than the layer's index. The
 model's own loop then runs the three layers as it would run eighty (`for layer in
-self.layers[: config.num_hidden_layers]`, `enumerate(self.h)`).
+self.layers[: config.num_hidden_layers]`, `enumerate(self.h)`). A measured plan is verified
+on the whole model's step all the same (`Planning.choose`).
 """
 
 from __future__ import annotations
@@ -69,19 +71,25 @@ def shortened(model: nn.Module, layers: list[nn.Module], keep: int = 3
         container._modules = full
 
 
-def stretched(rows: list[dict], outer: dict, longer: dict, n: int) -> tuple[list[dict], dict]:
+def stretched(rows: list[dict], outer: dict, longer: dict | None, n: int
+              ) -> tuple[list[dict], dict]:
     """The three-layer twin's profiles and outer costs (`layer_costs.outer_costs`) as the
     `n` layers': the second layer's profile for every middle one, its live bytes repeated,
-    and the step's time grown by what one more middle layer added to it in the four-layer
-    twin's step (`longer`), which includes what a layer profiled alone does not see."""
+    and the step's time grown by what one more middle layer added to it. Pre-flight, that
+    is the four-layer twin's step (`longer`) less the three-layer one's, which includes what
+    a layer profiled alone does not see; measured (`longer` None), it is the middle layer's
+    own forward and backward: a difference of two timed steps would multiply their noise by
+    the layers added."""
     first, middle, last = rows
     live = outer["layer_live"]
     step = live[2] - live[1]
     more = n - 3
+    per_layer = (longer["step_time"] - outer["step_time"] if longer is not None
+                 else middle["fwd_time"] + middle["bwd_time"])
     grown = {"layer_live": [*live[:3], *(live[2] + step * i for i in range(1, more + 1)),
                             live[3] + step * more],
-             "step_time": outer["step_time"] + more * (longer["step_time"] - outer["step_time"])}
-    if "step_range" in outer:
+             "step_time": outer["step_time"] + more * per_layer}
+    if longer is not None and "step_range" in outer:
         grown["step_range"] = tuple(a + more * (b - a) for a, b in
                                     zip(outer["step_range"], longer["step_range"], strict=True))
     return [first, *(dict(middle) for _ in range(n - 2)), last], {**outer, **grown}
