@@ -12,7 +12,9 @@ peak, and whether it fits its budget is recorded. At the floor and the middle bu
 the plan checkpoints), the plan's step time as a ratio to keeping everything is measured side
 by side in interleaved rounds (`benchmarks/real_models._side_by_side`, the one timer under the
 interference guard; 7 rounds, median, with the rounds' spread) and compared with the
-predicted ratio.
+predicted ratio. The process keeps the memory it frees (`retain_freed_memory`): glibc's
+default hands large blocks back to the system, and every step then pays page faults for
+them, a cost that moved measured ratios by up to 30 % from one process to the next.
 
 Part 2. A Llama-3-8B-shaped model (transformers `LlamaConfig` with Llama 3 8B's sizes) built
 on the meta device, bf16 weights, sequence 4096, batch 1, AdamW with fp32 state
@@ -26,6 +28,8 @@ resident high-water mark (VmHWM, reset through /proc/self/clear_refs) are measur
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import sys
 import time
@@ -78,8 +82,14 @@ READING = """## Reading
 - **Time.** Per-op rates were calibrated on a suite of small steps, not on these models. The
   simulator alone (any costs) misses what checkpointing itself costs; the calibrated
   per-checkpoint time (`Target.extra["checkpoint"]`) brings the predicted ratios within a few
-  per cent. The interval of an overhead is narrow because both its times move with the same
-  efficiency; the interval of a time is the wide one (`Planning.interval`).
+  per cent. The measured side needed one setting to be repeatable: with glibc's default
+  allocator, large tensors are mapped fresh and handed back at each step, and the page faults
+  that follow depend on the process's history (the ResNet floor plan measured 1.78x, 1.81x,
+  2.06x and 2.35x no checkpointing in four processes, each within 4 % over its own rounds);
+  keeping freed memory, as CUDA's caching allocator does, made three processes agree within
+  3 % (2.18x, 2.21x, 2.24x) and the plain step 20-45 % faster. The interval of an overhead
+  is narrow because both its times move with the same efficiency; the interval of a time is
+  the wide one (`Planning.interval`).
 - **Llama-3-8B.** Full fine-tuning cannot fit one 80 GB card: weights (15 GiB bf16),
   gradients (15 GiB) and fp32 master weights and moments (90 GiB) alone are 120 GiB. With LoRA
   the floor is the frozen weights plus the loss over a 128k vocabulary (logits in bf16, their
@@ -87,6 +97,23 @@ READING = """## Reading
   fits an 80 GB card with room for 7 sequences per step, and misses a 24 GB card's budget (the
   card less the CUDA context and a 5 % margin) by about 1 GiB.
 """
+
+
+def retain_freed_memory() -> str:
+    """Make glibc keep what the process frees, as PyTorch's CUDA caching allocator does on a
+    GPU: no block is mmapped (and unmapped again when freed) and the heap is never trimmed,
+    so a step reuses pages instead of faulting fresh ones in. With glibc's defaults a step's
+    time depended on where earlier allocations left the heap: the same ResNet plan measured
+    1.78x to 2.35x no checkpointing in separate runs, each run's rounds within 4 %. What
+    the document says about the setting."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallopt = getattr(libc, "mallopt", None)
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # glibc's malloc.h
+    if mallopt is None or not all((mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, 2**31 - 1),
+                                   mallopt(m_top_pad, 256 << 20))):
+        return "the C library's allocator as it is (no glibc `mallopt`)"
+    return ("glibc keeps freed memory (`mallopt`: no mmapped blocks, heap never trimmed; "
+            "`retain_freed_memory`)")
 
 
 def _models():
@@ -222,6 +249,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    allocator = retain_freed_memory()
     t0 = time.perf_counter()
     llama = part_two()
     rows, s = part_one(2 if args.quick else 7)
@@ -257,8 +285,7 @@ def main() -> None:
         f"- Time ratio to no checkpointing, predicted against measured side by side: "
         f"{within} of {len(s['ratio_errors'])} within 10 %, {within_spread} within 10 % "
         f"plus the measurement's own spread (IQR / median of the two candidates' rounds); "
-        f"worst {ratio[0]:.1%} ({ratio[1]} at {ratio[2]:.0%}). Measured ratios move by up to "
-        f"15 % between runs of this benchmark on this VM.",
+        f"worst {ratio[0]:.1%} ({ratio[1]} at {ratio[2]:.0%}). Host allocator: {allocator}.",
         f"- The pre-flight plan fits its budget when measured in {sum(s['fits'])} of "
         f"{len(s['fits'])} (model, budget) pairs.",
         "",

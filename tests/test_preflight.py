@@ -106,6 +106,31 @@ def test_a_deep_models_profile_from_its_short_twins_equals_the_full_one(name, mo
             assert short[key] == full[key], key
 
 
+def test_a_measured_profile_from_short_twins_has_the_full_ones_bytes(monkeypatch):
+    """Measured, the three-layer twin runs too: every byte equals the whole model's, and the
+    step's time is grown by the middle layer's own time per layer left out."""
+    from rematlab.remat import layer_costs, shorten
+
+    model, batch = realzoo.gpt2(batch=2, seq=16, layers=6)
+    model.train()
+    layers = structure(model, batch).blocks
+    grown = []
+    monkeypatch.setattr(layer_costs, "stretched",
+                        lambda *a: grown.append(a) or shorten.stretched(*a))
+    short = profile_layers(model, batch, layers, optimizer="adam", repeats=1)
+    assert len(grown) == 1 and grown[0][2] is None  # shortened, no four-layer twin timed
+    rows, outer, _, n = grown[0]
+    assert n == 6 and len(rows) == 3
+    monkeypatch.setattr(shorten, "MIN_LAYERS", 10**6)
+    full = profile_layers(model, batch, layers, optimizer="adam", repeats=1)
+    assert len(grown) == 1  # the whole model's run
+    for key in (*BYTES, "rec_mem", "bwd_mem"):
+        assert getattr(short, key) == getattr(full, key), key
+    # the time outside the layers is the three-layer step's less its three layers'
+    assert short.bwd_time[0] == pytest.approx(max(0.0, outer["step_time"] - sum(
+        r["fwd_time"] + r["bwd_time"] for r in rows)))
+
+
 class _Indexed(realzoo.Decoder):
     """A loop that indexes its layers by a count of its own: it cannot run shortened."""
 
