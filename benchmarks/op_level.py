@@ -15,7 +15,9 @@ side`, under the interference guard), as ratios to keeping everything measured i
 rounds. A compiled fraction is timed in its own side-by-side run against keeping everything
 (dynamo keeps one compiled graph per model, so two fractions cannot share a run). Planning
 times are wall-clock seconds of one run. Each model's Pareto figure (measured peak against
-time ratio, every candidate) is written next to the document.
+time ratio, every candidate) is written next to the document. The process keeps the memory it
+frees (`hostmem.retain_freed_memory`), so that a candidate's step does not pay page faults
+that depend on which candidate ran before it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hostmem import retain_freed_memory
 from real_models import _hf_layers, _side_by_side
 
 from rematlab.core.units import format_bytes
@@ -43,29 +46,26 @@ from tests import realzoo
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 READING = """## Reading
 
-- **Noise.** This run shared a 2-core VM with other work: many rows are marked untrusted by
-  the interference guard and spreads reach ±20-36 %. The same plan measured twice in one run
-  can differ by 17 % (ResNet at 1.00: the op-level and block plans are the same plan, 1.205x
-  and 1.032x). Differences of a few per cent between two plans are not resolved here.
-- **Why op-level options gain little on this CPU** (the *floors* rows). On GPT-2, a layer's
-  forward under selective checkpointing's dispatch mode costs 81.2 ms against 80.2 ms plain:
-  the mode itself is cheap at width 256. Its backward with the recomputation of everything
-  but the matmuls costs 137.5 ms against 92.7 ms: recomputing the pointwise ops, softmax and
-  layer norms takes 45 ms, more than half of the 80 ms that recomputing the whole layer
-  takes. On two CPU cores those memory-bound ops are not cheap beside oneDNN's matmuls, so an
-  option saves about half of a whole-layer recomputation's time while freeing less than half
-  of its memory; the solver's choice is then close to the per-layer plan's, and the gains
-  (GPT-2: 15 % and 139 % less overhead at 0.25 and 0.50; BERT: 14 % and 36 % at 0.25 and
-  0.75) sit within the noise at other budgets. What would change it: a device where matmuls
-  dominate a layer's time (a GPU, at a width of thousands), where pointwise recomputation
-  costs a few per cent of the layer and Megatron-style options pay.
-- **torch.compile** fuses the pointwise ops, so where a fraction fits it is the fastest
-  candidate on GPT-2, Llama and the ResNet (0.79-0.96x of eager keeping everything), not on
-  BERT (1.12-1.15x). It reaches below the eager floor on Llama (fraction 0: 91.4 MiB against
-  96.4 MiB), on no other model, and its peak is not monotone in `activation_memory_budget`
-  (see each figure's compile points; pytorch#197838). Op-level plans are eager plans: a
-  compiled op-level plan is refused (`ops=True` with `compile=True`), and block plans can be
-  planned for the compiled step (`compile=True`, docs/benchmarks/planner.md).
+- **Noise.** Each model's line above says how far apart the same plan measured twice in one
+  run came (where the op-level and the block plan are the same plan): differences between two
+  plans smaller than that are not resolved on this VM, whatever the rounds' spreads say.
+- **Why op-level options gain little on this CPU** (the *floors* rows: a layer's forward
+  plain and under selective checkpointing's dispatch mode, its backward plain and with the
+  recomputation of everything but the matmuls, and what checkpointing it whole adds). The
+  dispatch mode itself costs little at width 256. Recomputing the pointwise ops, softmax and
+  layer norms, though, takes about half of what recomputing the whole layer takes: on two
+  CPU cores those memory-bound ops are not cheap beside oneDNN's matmuls. An option then buys
+  less than half of a layer's activations for about half of a whole-layer recomputation's
+  time, the solver's choice stays close to the per-layer plan's, and the gains in *Against
+  the goals* come at some mid budgets and sit within the noise at others. What would change
+  it: a device where matmuls dominate a layer's time (a GPU, at a width of thousands), where
+  pointwise recomputation costs a few per cent of the layer and Megatron-style options pay.
+- **torch.compile** fuses the pointwise ops: where a fraction fits, compare its column with
+  the eager ones; whether it reaches below the eager floor shows in each figure's compile
+  points, and its peak is not monotone in `activation_memory_budget` (pytorch#197838). Op-
+  level plans are eager plans: a compiled op-level plan is refused (`ops=True` with
+  `compile=True`), and block plans can be planned for the compiled step (`compile=True`,
+  docs/benchmarks/planner.md).
 """
 COMPILE_FRACTIONS = (0.0, 0.5, 1.0)  # torch._functorch.config.activation_memory_budget
 
@@ -140,11 +140,14 @@ def pareto(name: str, points: dict[str, list[tuple[int, float]]], where: Path) -
 
 def summary(name: str, floors: tuple[int, int], got: list[tuple[float, dict, bool]]) -> str:
     """One line on the issue's goals: floors, never slower than the block plan beyond the
-    noise (the larger of the two spreads; not judged where both are the same plan), and the
-    overhead against the best per-layer plan at mid budgets (0.25-0.75)."""
-    slower, mid = [], []
+    noise (the larger of the two spreads; not judged where both are the same plan), the
+    overhead against the best per-layer plan at mid budgets (0.25-0.75), and how far apart
+    the same plan came where both are it (the run's own noise, reported, not judged by)."""
+    slower, mid, twice = [], [], []
     for frac, row, same in got:
         op, block = row["op-level"], row.get("block")
+        if block and same:
+            twice.append(abs(op[0] / block[0] - 1))
         if block and not same and op[0] > block[0] * (1 + max(op[1], block[1])):
             slower.append(f"{frac:.2f}")
         per_layer = [v[0] for k, v in row.items() if k == "block" or k.startswith("every_n")]
@@ -154,7 +157,9 @@ def summary(name: str, floors: tuple[int, int], got: list[tuple[float, dict, boo
             f"{'≤' if floors[0] <= floors[1] else '>'} block floor {format_bytes(floors[1])}; "
             f"slower than the block plan beyond the noise at: {', '.join(slower) or 'none'}; "
             "time overhead against the best per-layer plan at mid budgets: "
-            + (", ".join(f"{-v:+.0%}" for v in mid) if mid else "n/a"))
+            + (", ".join(f"{-v:+.0%}" for v in mid) if mid else "n/a")
+            + (f"; the same plan measured twice: up to {max(twice):.0%} apart" if twice
+               else ""))
 
 
 def bench(name: str, make, rounds: int, figures: Path | None
@@ -287,7 +292,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    rounds = 2 if args.quick else 3
+    rounds = 2 if args.quick else 5
+    allocator = retain_freed_memory()
     lines = ["| model | budget (floor → unconstrained) | budget | op-level plan | measured peak "
              "| op-level time / none | block plan | every_n_layers (largest that fits) | "
              "save matmuls | torch.compile (largest fraction that fits) | "
@@ -304,7 +310,8 @@ def main() -> None:
             "what is measured and how), " + time.strftime("%Y-%m-%d") + f", torch "
             f"{torch.__version__}, 2 threads. Times are median step times over {rounds} "
             "interleaved rounds as ratios to keeping everything (± IQR / median); peaks in "
-            "brackets are measured.\n\n" + "\n".join(lines) + "\n\n## Against the goals\n\n"
+            f"brackets are measured. Host allocator: {allocator}.\n\n" + "\n".join(lines)
+            + "\n\n## Against the goals\n\n"
             + "\n".join(summaries) + "\n\n" + planning_time_gpt2_12() + "\n\n" + READING
             + ("\n## Pareto figures\n\n" + "\n\n".join(figures) + "\n" if figures else ""))
     if args.out:

@@ -12,7 +12,7 @@ peak, and whether it fits its budget is recorded. At the floor and the middle bu
 the plan checkpoints), the plan's step time as a ratio to keeping everything is measured side
 by side in interleaved rounds (`benchmarks/real_models._side_by_side`, the one timer under the
 interference guard; 7 rounds, median, with the rounds' spread) and compared with the
-predicted ratio. The process keeps the memory it frees (`retain_freed_memory`): glibc's
+predicted ratio. The process keeps the memory it frees (`hostmem.retain_freed_memory`): glibc's
 default hands large blocks back to the system, and every step then pays page faults for
 them, a cost that moved measured ratios by up to 30 % from one process to the next.
 
@@ -28,8 +28,6 @@ resident high-water mark (VmHWM, reset through /proc/self/clear_refs) are measur
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import statistics
 import sys
 import time
@@ -40,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hostmem import retain_freed_memory
 from real_models import SIZES, _side_by_side
 
 from rematlab.core.lora import add_lora
@@ -97,23 +96,6 @@ READING = """## Reading
   fits an 80 GB card with room for 7 sequences per step, and misses a 24 GB card's budget (the
   card less the CUDA context and a 5 % margin) by about 1 GiB.
 """
-
-
-def retain_freed_memory() -> str:
-    """Make glibc keep what the process frees, as PyTorch's CUDA caching allocator does on a
-    GPU: no block is mmapped (and unmapped again when freed) and the heap is never trimmed,
-    so a step reuses pages instead of faulting fresh ones in. With glibc's defaults a step's
-    time depended on where earlier allocations left the heap: the same ResNet plan measured
-    1.78x to 2.35x no checkpointing in separate runs, each run's rounds within 4 %. What
-    the document says about the setting."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mallopt = getattr(libc, "mallopt", None)
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # glibc's malloc.h
-    if mallopt is None or not all((mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, 2**31 - 1),
-                                   mallopt(m_top_pad, 256 << 20))):
-        return "the C library's allocator as it is (no glibc `mallopt`)"
-    return ("glibc keeps freed memory (`mallopt`: no mmapped blocks, heap never trimmed; "
-            "`retain_freed_memory`)")
 
 
 def _models():
