@@ -10,6 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import rematlab
 from rematlab.core.batch import call
+from rematlab.core.probes import WallClock
 from rematlab.core.steps import default_loss
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
@@ -103,3 +104,48 @@ def test_menus_name_the_policies_users_know_and_never_save_random_or_mutated_out
     assert "softmax" not in names[1] and "bmm" not in names[1]  # Megatron's attention core
     bad = {(o.name, o.index) for o in ops if o.random or o.inplace or o.view}
     assert bad and not any(bad & set(s) for s in sets)
+
+
+class _StepTimes:
+    """A timer whose side-by-side run reports fixed step times (seconds by candidate)."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        self.ran: list[str] = []
+
+    def run(self, work: dict, repeats: int, warmup: int = 1):
+        for name, one in work.items():  # each candidate's step really runs
+            one(WallClock())
+            self.ran.append(name)
+        return self
+
+    def median(self, name: str) -> float:
+        return self.seconds[name]
+
+
+@pytest.mark.parametrize(("measured", "scale"), [(2.5, 2.5), (0.01, 1.0)])
+def test_options_are_priced_at_what_a_step_under_them_measures_never_less(
+        monkeypatch, measured, scale):
+    """The step with every layer under its first option and the step with every layer kept
+    run side by side; each option's time beyond its plain layer is scaled by the measured
+    extra over the profiled one (2.5x here), and never scaled down."""
+    from rematlab.remat import layer_costs
+
+    model, batch = realzoo.gpt2(layers=2)
+    model.train()
+    planning = rematlab.prepare(model, batch, ops=True)
+    layers = planning.structure.blocks
+    rows = [{"fwd_time": planning.costs.fwd_time[i], "bwd_time": planning.costs.bwd_time[i],
+             "options": planning.costs.menu(i)} for i in (1, 2)]
+    profiled = sum(r["options"][0].fwd_time + r["options"][0].bwd_time - r["fwd_time"]
+                   - r["bwd_time"] for r in rows)
+    timer = _StepTimes({"kept": 1.0, "options": 1.0 + measured * profiled})
+    monkeypatch.setattr(layer_costs, "profile_timer", lambda _device: timer)
+    got = layer_costs._options_in_step(model, batch, layers, rows, None)
+    assert timer.ran == ["kept", "options"]
+    for row, new in zip(rows, got, strict=True):
+        plain = row["fwd_time"] + row["bwd_time"]
+        for o, n in zip(row["options"], new["options"], strict=True):
+            assert n.fwd_time == o.fwd_time and n.saved == o.saved
+            assert n.fwd_time + n.bwd_time - plain == pytest.approx(
+                scale * (o.fwd_time + o.bwd_time - plain))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,13 +21,13 @@ from rematlab.core.steps import LossFn, default_loss, preserved, train_step
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import ChainCosts
+from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.roofline import OpLog
 from rematlab.preflight.targets import Target, interval
 from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
-from rematlab.remat.ops import block_options
+from rematlab.remat.ops import OPTION_REPEATS, block_options
 from rematlab.remat.shorten import shortened, stretched
 
 
@@ -131,7 +132,45 @@ def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], loss_fn: LossF
     repeated = Repeats()
     rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated, ops, target)
             for layer, host_call in zip(layers, capture(model, batch, layers), strict=True)]
-    return rows, outer_costs(model, batch, layers, loss_fn, repeats, target)
+    outer = outer_costs(model, batch, layers, loss_fn, repeats, target)
+    if ops and target is None and repeats:
+        rows = _options_in_step(model, batch, layers, rows, loss_fn)
+    return rows, outer
+
+
+def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
+                     rows: list[dict], loss_fn: LossFn | None) -> list[dict]:
+    """The layers' options with the time they take in a step. A layer profiled alone under
+    selective checkpointing can cost far less than it does between other layers (on this
+    CPU a Llama-style layer's "save mm×7, bmm×2" profiled at +7-9 ms and took +18-20 ms in the
+    step, most of it in the forward), and an option priced too cheap is chosen over a
+    whole-layer checkpoint that is faster. So the step with every layer kept and the step
+    with every layer under its first option are timed side by side (interleaved rounds, by
+    the one timer), and each option's time beyond its plain layer is scaled by the measured
+    extra over the profiled one; never scaled down, since the profile's own lower bounds
+    (`ops.block_options`) already hold."""
+    menus = [r.get("options", []) for r in rows]
+    predicted = sum(m[0].fwd_time + m[0].bwd_time - r["fwd_time"] - r["bwd_time"]
+                    for r, m in zip(rows, menus, strict=True) if m)
+    if predicted <= 0:
+        return rows
+    n = len(layers) + 2
+    optioned = Plan(n, (0, *(Selective.of(i, m[0]) if m else i
+                             for i, m in enumerate(menus, start=1)), n - 1))
+    runs = {name: attach(model, LayerRemat(layers, plan))
+            for name, plan in (("kept", none_plan(n)), ("options", optioned))}
+    with preserved(model):
+        timing = profile_timer(next(tensors(batch)).device).run(
+            {name: timed(lambda run=run: train_step(run, batch, loss_fn=loss_fn))
+             for name, run in runs.items()}, OPTION_REPEATS, warmup=0)
+    scale = max(1.0, (timing.median("options") - timing.median("kept")) / predicted)
+
+    def scaled(row: dict) -> dict:
+        plain = row["fwd_time"] + row["bwd_time"]
+        return {**row, "options": [
+            replace(o, bwd_time=o.bwd_time + (scale - 1) * (o.fwd_time + o.bwd_time - plain))
+            for o in row.get("options", [])]}
+    return [scaled(r) for r in rows]
 
 
 def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module],
