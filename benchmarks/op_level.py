@@ -51,13 +51,13 @@ READING = """## Reading
   plans smaller than that are not resolved on this VM, whatever the rounds' spreads say.
 - **Why op-level options gain little on this CPU** (the *floors* rows: a layer's forward
   plain and under selective checkpointing's dispatch mode, its backward plain and with the
-  recomputation of everything but the matmuls, and what checkpointing it whole adds). The
-  dispatch mode itself costs little at width 256. Recomputing the pointwise ops, softmax and
-  layer norms, though, takes about half of what recomputing the whole layer takes: on two
-  CPU cores those memory-bound ops are not cheap beside oneDNN's matmuls. An option then buys
-  less than half of a layer's activations for about half of a whole-layer recomputation's
-  time, the solver's choice stays close to the per-layer plan's, and the gains in *Against
-  the goals* come at some mid budgets and sit within the noise at others. What would change
+  recomputation of everything but the matmuls, as a step under the option measures it, and
+  what checkpointing it whole adds). Recomputing the pointwise ops, softmax and layer norms
+  takes more than half of what recomputing the whole layer takes: on two CPU cores those
+  memory-bound ops are not cheap beside oneDNN's matmuls. An option then buys less than half
+  of a layer's activations for more than half of a whole-layer recomputation's time, the
+  solver's choice stays close to the per-layer plan's, and the gains in *Against the goals*
+  come at some mid budgets and sit within the noise at others. What would change
   it: a device where matmuls dominate a layer's time (a GPU, at a width of thousands), where
   pointwise recomputation costs a few per cent of the layer and Megatron-style options pay.
 - **torch.compile** fuses the pointwise ops: where a fraction fits, compare its column with
@@ -242,8 +242,9 @@ def bench(name: str, make, rounds: int, figures: Path | None
 
 
 def _dispatch_cost(planning: Planning) -> str:
-    """What selective checkpointing costs a block before any recomputation: its forward
-    under the caching dispatch mode against its plain forward (profiled times)."""
+    """What selective checkpointing costs a block: its forward under the caching dispatch
+    mode and its backward with the recomputation against its plain ones (the planner's
+    times, options' as a step under them measures, `layer_costs._options_in_step`)."""
     c = planning.costs
     i = next((i for i in range(c.n) if c.menu(i)), None)
     if i is None:
