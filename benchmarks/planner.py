@@ -32,7 +32,8 @@ from rematlab.core.units import format_bytes
 from rematlab.measurement import zoo
 from rematlab.measurement.measure import measure
 from rematlab.planning.planner import prepare
-from rematlab.plans.plan import Plan, simulate
+from rematlab.plans.plan import Plan
+from rematlab.plans.simulate import simulate
 
 CASES = [("mlp3", None, 2048), ("mlp5", None, 2048), ("mlp7", None, 2048),
          ("lenet5", None, 1024), ("alexnet", "cifar", 256), ("vgg16", "cifar", 256)]

@@ -30,7 +30,8 @@ from torch import nn
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import Planning
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import ChainCosts, simulate
+from rematlab.plans.plan import ChainCosts
+from rematlab.plans.simulate import simulate
 from rematlab.plans.solver import Solution, solve
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.structure import structure

@@ -49,7 +49,7 @@ from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import Planning, prepare
 from rematlab.planning.preflight import with_margin
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import overhead, simulate
+from rematlab.plans.simulate import overhead, simulate
 from rematlab.preflight.targets import PROFILES, resolve_target
 from rematlab.remat.strategies import apply
 from tests import realzoo

@@ -1,5 +1,6 @@
 """An independent meter for budgets: torch's own MemTracker around the user's loop."""
 
+import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from rematlab.core.batch import call, tensors
@@ -28,3 +29,53 @@ def own_loop_peak(model, batch) -> int:
         del_me = step()
         del del_me
     return max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+
+
+def user_loop_peak(model, batch, *, precision=None, micro_batches=1, clip=None,
+                   optimizer=None, meter="memtracker") -> int:
+    """The peak of a hand-written loop as users run it, with torch's own APIs (not
+    rematlab's): `torch.autocast` around forward and loss (bf16 or fp16 with a real
+    `torch.amp.GradScaler`), `micro_batches` forwards per optimizer step with the loss
+    divided, `clip_grad_norm_`, then the optimizer (AdamW by default). Two warm-up steps
+    make the optimizer state; the third is measured by torch's MemTracker, or, for several
+    forwards per step (which MemTracker refuses), by the live-storage tracker."""
+    from rematlab.core.probes import LiveTensorTracker
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[precision]
+    opt = optimizer(model.parameters()) if optimizer else torch.optim.AdamW(
+        model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for _ in range(micro_batches):
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                out = call(model, batch)
+                loss = default_loss(out, batch) / micro_batches
+            (scaler.scale(loss) if scaler else loss).backward()
+            del out, loss
+        if scaler:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+    step()
+    step()
+    opt.zero_grad(set_to_none=True)
+    if meter == "memtracker":
+        mt = MemTracker()
+        mt.track_external(model, opt, *tensors(batch))
+        with mt:
+            step()
+        return max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+    tracker = LiveTensorTracker()
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tracker.track([*model.parameters(), *model.buffers(), *tensors(batch), *state])
+    with tracker:
+        step()
+    return tracker.peak

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import rematlab
 from rematlab.core.batch import resized
+from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning import planner
@@ -18,7 +19,7 @@ from rematlab.planning.budget import DeviceBudget
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import simulate
+from rematlab.plans.simulate import simulate
 from tests import clirun, realzoo, userzoo
 
 MIB = 2**20
@@ -28,7 +29,7 @@ def _none_peak(model, x, optimizer="momentum"):
     """The step's measured peak without remat, as `rematlab.plan` measures plans (the
     optimizer's bytes from the meta-device profile, which equal the device's)."""
     costs = planner.prepare(model, x, optimizer=optimizer, predict=True).costs
-    return step_peak(model, model, x, costs.state, costs.optimizer_peak, None)
+    return step_peak(model, model, x, costs, Step())
 
 
 def _shape_batch(shape, size):
@@ -90,7 +91,7 @@ def test_a_transformer_batch_of_token_dicts_is_searched_through_its_layers():
     bigger = resized(batch, fit.batch + 1)
     assert bigger["input_ids"].shape[0] == fit.batch + 1
     costs = planner.prepare(model, bigger).costs
-    assert step_peak(model, model, bigger, costs.state, costs.optimizer_peak, None) > 48 * MIB
+    assert step_peak(model, model, bigger, costs, Step()) > 48 * MIB
 
 
 def test_resized_cycles_rows_of_every_batch_tensor():

@@ -11,6 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import rematlab
 from rematlab.core.batch import call
 from rematlab.core.probes import WallClock
+from rematlab.core.recipe import Step
 from rematlab.core.steps import default_loss
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
@@ -141,7 +142,7 @@ def test_options_are_priced_at_what_a_step_under_them_measures_never_less(
                    - r["bwd_time"] for r in rows)
     timer = _StepTimes({"kept": 1.0, "options": 1.0 + measured * profiled})
     monkeypatch.setattr(layer_costs, "profile_timer", lambda _device: timer)
-    got = layer_costs._options_in_step(model, batch, layers, rows, None)
+    got = layer_costs._options_in_step(model, batch, layers, rows, Step())
     assert timer.ran == ["kept", "options"]
     for row, new in zip(rows, got, strict=True):
         plain = row["fwd_time"] + row["bwd_time"]

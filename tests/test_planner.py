@@ -9,7 +9,8 @@ from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning.planner import AutoRemat, auto, plan, prepare
 from rematlab.plans.fixed import none_plan, uniform_plan
-from rematlab.plans.plan import Plan, simulate
+from rematlab.plans.plan import Plan
+from rematlab.plans.simulate import simulate
 from rematlab.plans.solver import solve
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.tracing import find_chain

@@ -10,7 +10,8 @@ import pytest
 
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.plans.fixed import uniform_plan
-from rematlab.plans.plan import ChainCosts, Option, Plan, Segment, Selective, need, simulate
+from rematlab.plans.plan import ChainCosts, Option, Plan, Segment, Selective
+from rematlab.plans.simulate import need, simulate
 from rematlab.plans.solver import solve
 
 

@@ -6,10 +6,13 @@ budget, `.curve()` for all of them), `auto` (plan per input shape on the fly), `
 (the largest batch under a budget, with and without remat, and its throughput), `load` a
 sweep's dataset, `predict` step time and peak memory. Pre-flight (`predict=True, target=...`
 on `plan`, `prepare` and `max_batch`) plans without running, for a device that is not here
-(`Target`, `PROFILES`), with `add_lora` for the way large models are fine-tuned.
+(`Target`, `PROFILES`), with `add_lora` for the way large models are fine-tuned. `Step`
+describes the user's own training step (autocast, micro-batches, clipping, optimizer), for
+which every plan and measurement is then made.
 """
 
 from rematlab.core.lora import add_lora
+from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
 from rematlab.measurement.measure import measure
 from rematlab.measurement.spec import Observation, Spec
@@ -41,6 +44,7 @@ __all__ = [
     "Predictor",
     "RematlabError",
     "Spec",
+    "Step",
     "Target",
     "__version__",
     "add_lora",

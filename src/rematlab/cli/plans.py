@@ -217,7 +217,7 @@ def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
 
 def _plan_summary(planning: Any, budget: str) -> dict:
     """One budget's plan and the fixed strategies beside it, as `rematlab plan` reports it."""
-    from rematlab.plans.plan import overhead
+    from rematlab.plans.simulate import overhead
 
     derived = planning.budget(budget)
     chosen = planning.choose(derived.nbytes)

@@ -154,6 +154,32 @@ class LiveTensorTracker(TorchDispatchMode):
         return out
 
 
+class CastRecorder(TorchDispatchMode):
+    """The bytes of the low-precision copies autocast makes of `params` while active: the
+    copies its weight cache keeps until the autocast region ends (it caches casts of
+    trainable fp32 leaves only, `autocast_mode.cpp`'s `cached_cast`), each parameter once."""
+
+    def __init__(self, params: Iterable[torch.Tensor], unit: int = 1) -> None:
+        super().__init__()
+        self.unit = unit
+        self._params = {id(p): p for p in params
+                        if p.requires_grad and p.dtype == torch.float32}
+        self.casts: dict[int, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.casts.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args and id(args[0]) in self._params \
+                and isinstance(out, torch.Tensor) and out.dtype != torch.float32 \
+                and torch.is_autocast_enabled(args[0].device.type):
+            self.casts.setdefault(id(args[0]),
+                                  rounded(out.untyped_storage().nbytes(), self.unit))
+        return out
+
+
 @dataclass(frozen=True)
 class Span:
     """Allocator bytes above the trace's entry level: at a phase's start and at its peak."""

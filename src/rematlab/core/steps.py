@@ -84,7 +84,8 @@ def train_step(model: nn.Module, batch: Batch, *, run: Callable | None = None,
     time and peak rematlab reports is made of: gradients of `model` zeroed, forward and loss,
     backward, the optimizer's step, with the output alive until the step ends as in a
     user's loop. With `clock`, the seconds of each phase (`PHASES`) and of the `step`;
-    `around(phase)` wraps a phase in a context (a memory probe's phase marker)."""
+    `around(phase)` wraps a phase in a context (a memory probe's phase marker). The user's own
+    step (autocast, micro-batches, clipping) is `rematlab.core.recipe.Step.train_step`."""
     def phase(name: str) -> contextlib.AbstractContextManager:
         return around(name) if around else contextlib.nullcontext()
 

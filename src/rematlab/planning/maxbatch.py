@@ -39,9 +39,9 @@ from torch import nn
 from rematlab.core.batch import Batch, check_batch, resized, tensors, to_device
 from rematlab.core.checks import bounded
 from rematlab.core.guard import Evidence
-from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import Clock
-from rematlab.core.steps import LossFn, is_oom, preserved, train_step
+from rematlab.core.recipe import Step, as_step
+from rematlab.core.steps import LossFn, is_oom, preserved
 from rematlab.core.timer import Timer, Timing, Turns
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
@@ -52,7 +52,8 @@ from rematlab.planning.planner import Planning, prepare, resident
 from rematlab.planning.preflight import card_budget, room
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import ChainCosts, Plan, simulate
+from rematlab.plans.plan import ChainCosts, Plan
+from rematlab.plans.simulate import simulate
 from rematlab.plans.solver import solve
 from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.strategies import apply
@@ -64,11 +65,10 @@ class _Searcher:
     """The model, its batch factory and the budget; measurements are cached per batch."""
 
     def __init__(self, model: nn.Module, make: Callable[[int], Batch], start: int, limit: int,
-                 budget: str | int, optimizer: str | None, blocks: Any,
-                 loss_fn: LossFn | None, ops: bool = False, target: Target | None = None
-                 ) -> None:
+                 budget: str | int, step: Step, blocks: Any, ops: bool = False,
+                 target: Target | None = None) -> None:
         self.model, self.make, self.start, self.limit = model, make, start, limit
-        self.optimizer, self.blocks, self.loss_fn, self.ops = optimizer, blocks, loss_fn, ops
+        self.step, self.blocks, self.ops = step, blocks, ops
         self.target = target  # predicted for it, nothing measured (`rematlab.preflight`)
         self.device = next(tensors(make(1))).device
         self.budget = (card_budget(budget, target, model)  # batches come later
@@ -85,8 +85,7 @@ class _Searcher:
 
     def _kw(self) -> dict:
         predicted = {"predict": True, "target": self.target} if self.target else {}
-        return {"optimizer": self.optimizer, "blocks": self.blocks, "loss_fn": self.loss_fn,
-                "ops": self.ops, **predicted}
+        return {"step": self.step, "blocks": self.blocks, "ops": self.ops, **predicted}
 
     def planning(self, batch: int) -> Planning:
         """The model profiled and solved at `batch` on the device, cached without its batch:
@@ -145,8 +144,7 @@ class _Searcher:
         try:
             if case == "none":
                 costs = self.costs(batch)
-                return step_peak(self.model, self.model, self.make(batch), costs.state,
-                                 costs.optimizer_peak, self.loss_fn)
+                return step_peak(self.model, self.model, self.make(batch), costs, self.step)
             planning = self.planning(batch)
             floor = planning.solution.plan_for(planning.solution.min_peak)
             return self._with_batch(planning, batch, lambda: planning.measure(floor))
@@ -235,7 +233,7 @@ class _Searcher:
             run = self.model if chosen is None else apply(
                 self.model, chosen, blocks=self.blocks, example_input=self.make(fit.batch))
             runs[fit.case] = (run, lambda b=fit.batch: self.make(b))
-        timing = side_by_side(self.model, runs, self.optimizer, self.loss_fn, warmup, repeats)
+        timing = side_by_side(self.model, runs, self.step, warmup, repeats)
         self.evidence = timing.evidence
         timed = []
         for fit in found:
@@ -248,23 +246,22 @@ class _Searcher:
 
 
 def side_by_side(model: nn.Module, runs: dict[str, tuple[nn.Module, Callable[[], Batch]]],
-                 optimizer: str | None, loss_fn: LossFn | None, warmup: int, repeats: int
-                 ) -> Timing:
-    """Training steps (forward, loss, backward, optimizer step) of each run on its batch,
+                 step: Step, warmup: int, repeats: int) -> Timing:
+    """The user's training steps (`Step`: micro-batches, autocast, clipping, the optimizer
+    step) of each run on its batch,
     timed side by side by the one timer (`rematlab.core.timer`): interleaved rounds under
     the guard. A run's batch is made when its turn comes, outside the clock, and never two
     are alive at once (`Turns`). `model`'s weights, gradients, buffers and the RNG are restored
     afterwards."""
     snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    opt = make_optimizer(optimizer, model.parameters()) if optimizer else None
+    opt = step.make_optimizer(model.parameters())
 
     batch = Turns({name: make for name, (_, make) in runs.items()})
 
     def work(name: str, run: nn.Module) -> Callable[[Clock], dict[str, float]]:
         def one(clock: Clock) -> dict[str, float]:
-            return train_step(model, batch(name), run=run, loss_fn=loss_fn, optimizer=opt,
-                              clock=clock)
+            return step.train_step(model, batch(name), run=run, optimizer=opt, clock=clock)
         return one
 
     try:
@@ -310,6 +307,7 @@ def max_batch(
     ops: bool = False,
     predict: bool = False,
     target: str | Target | dict | None = None,
+    step: Step | None = None,
 ) -> BatchSearch:
     """The largest batch whose training step fits `budget` (bytes, '8GiB' or 'auto'), for
     each of `cases` ('none': the model as it is; 'optimal': the fastest plan within the budget
@@ -323,6 +321,7 @@ def max_batch(
     the cost model's for `target`, interpolated between fake profiles at `start` and twice
     it, and each step time is the target's roofline prediction."""
     budget = checked(budget)
+    user_step = as_step(step, optimizer, loss_fn)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"max_batch() needs an nn.Module, got {type(model).__name__}")
     unknown = set(cases) - set(CASES)
@@ -344,8 +343,8 @@ def max_batch(
     if target is not None and not predict:
         raise ConfigError("a target is planned for without running (predict=True)")
     tgt = resolve_target(target, dev.type if dev is not None else "cpu") if predict else None
-    searcher = _Searcher(model, make, min(start, limit), limit, budget, optimizer, blocks,
-                         loss_fn, ops, tgt)
+    searcher = _Searcher(model, make, min(start, limit), limit, budget, user_step, blocks,
+                         ops, tgt)
     found = [searcher.predicted(case) if predict else searcher.find(case) for case in cases]
     t1 = time.perf_counter()
     if repeats and not predict:

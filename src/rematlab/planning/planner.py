@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import call, check_batch, detached, one_tensor, tensors, to_device
+from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
@@ -32,7 +33,8 @@ from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_bud
 from rematlab.planning.preflight import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
+from rematlab.plans.plan import ChainCosts, Plan
+from rematlab.plans.simulate import overhead, simulate
 from rematlab.plans.solver import Solution, solve
 from rematlab.preflight.targets import Target
 from rematlab.remat.chain import compiling, profile_chain
@@ -61,7 +63,7 @@ class Planning:
     solution: Solution
     verify: bool
     compile: bool
-    loss_fn: LossFn | None
+    step: Step  # the user's training step every cost and measurement is of
     target: Target | None = None  # predicted for this device (`rematlab.preflight`)
     _measured: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -170,9 +172,8 @@ class Planning:
         """The measured step peak of `chosen` (see `step_peak`)."""
         if self.structure.kind == "layers":
             return measure_layers_peak(self.model, self.structure.blocks, chosen, self.batch,
-                                       self.costs, self.loss_fn)
-        return measure_peak(self.structure.blocks, chosen, self.batch, self.costs,
-                            self.loss_fn)
+                                       self.costs, self.step)
+        return measure_peak(self.structure.blocks, chosen, self.batch, self.costs, self.step)
 
     def baselines(self, budget: int | None = None) -> list[dict]:
         """Simulated peak and time of the fixed strategies this model can run."""
@@ -207,9 +208,11 @@ def prepare(
     verify: bool = True,
     compile: bool = False,
     ops: bool = False,
+    step: Step | None = None,
 ) -> Planning:
     """Profile and solve once (see `plan` for the arguments)."""
     check_batch(example_inputs)
+    user_step = as_step(step, optimizer, loss_fn)
     if ops and compile:
         raise ConfigError("op-level plans (ops=True) are profiled eager: not with "
                           "compile=True")
@@ -220,10 +223,9 @@ def prepare(
                           "it, plans are measured on the device the batch is on")
     st = structure(model, example_inputs, blocks)
     if predict:
-        costs, tgt = predicted_costs(model, example_inputs, st, device, optimizer, loss_fn,
-                                     target, ops)
+        costs, tgt = predicted_costs(model, example_inputs, st, device, user_step, target, ops)
         solution = solve(costs, layers=st.kind == "layers")
-        return Planning(model, st, example_inputs, costs, solution, False, False, loss_fn,
+        return Planning(model, st, example_inputs, costs, solution, False, False, user_step,
                         tgt)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -235,16 +237,15 @@ def prepare(
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":  # its first forward (`capture`) checks the batch
         with compiling():
-            costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn,
-                                   optimizer=optimizer, repeats=repeats, compile=compile,
-                                   ops=ops)
+            costs = profile_layers(model, batch, st.blocks, step=user_step, repeats=repeats,
+                                   compile=compile, ops=ops)
         solution = solve(costs, layers=True)
     else:
         runs_on(model, model, batch, type(model).__name__)
-        costs = profile_chain(st.blocks, one_tensor(batch), device=dev, optimizer=optimizer,
-                              repeats=repeats, compile=compile, ops=ops, loss_fn=loss_fn)
+        costs = profile_chain(st.blocks, one_tensor(batch), device=dev, repeats=repeats,
+                              compile=compile, ops=ops, step=user_step)
         solution = solve(costs)
-    return Planning(model, st, batch, costs, solution, verify, compile, loss_fn)
+    return Planning(model, st, batch, costs, solution, verify, compile, user_step)
 
 
 def plan(
@@ -257,11 +258,16 @@ def plan(
     this device has, `rematlab.planning.budget`).
 
     The step is the user's (`rematlab.core.steps`): `example_inputs` is a batch (tensor, tuple or
-    dict), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a default, and the
-    output stays alive until the step ends. Keywords: `optimizer` (sgd, momentum, adam or
-    None) adds its state and step; `blocks` names the layers of a model that runs its own loop
-    (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans without running
-    anything, from fake-tensor costs and the roofline of `target` (a name such as
+    dict; one micro-batch), the loss is `loss_fn(out, batch)`, the model's own `out.loss`, or a
+    default, and the output stays alive until the step ends. `step=rematlab.Step(...)` says
+    how the user's loop runs it (`rematlab.core.recipe`: bf16/fp16 autocast with a
+    GradScaler, micro-batches per optimizer step, clipping, any `torch.optim` optimizer,
+    `zero_grad(set_to_none=...)`, their own `fn(model, batch) -> loss`), and every cost and
+    measured peak is then of that step. Keywords: `optimizer` (a name from
+    `core.optimizers.OPTIMIZERS`, or None) adds its state and step, rematlab's own step's
+    shorthand for `step=Step(optimizer=...)`; `blocks` names the layers of a model that runs
+    its own loop (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans
+    without running anything, from fake-tensor costs and the roofline of `target` (a name such as
     "h100-80gb", "cpu" for this machine, a profile: `rematlab.preflight.targets`), for a
     model and batch that may live on the meta device; `verify=False` skips the
     measurement; `compile` plans for `torch.compile(apply(model, plan))` (chains and
@@ -303,12 +309,11 @@ class AutoRemat(nn.Module):
     def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
                  blocks: list[nn.Module] | str | list[str] | None = None,
                  loss_fn: LossFn | None = None, predict: bool = False, ops: bool = False,
-                 recheck_s: float = 10.0) -> None:
+                 recheck_s: float = 10.0, step: Step | None = None) -> None:
         super().__init__()
         self.model = model
         self.budget = checked(budget)  # 'auto' is derived again for every new shape
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.step = as_step(step, optimizer, loss_fn)
         self.predict = predict
         self.ops = ops
         self.recheck_s = recheck_s
@@ -350,9 +355,8 @@ class AutoRemat(nn.Module):
                                    f"{format_bytes(chosen.budget or 0)}")
 
     def _plan(self, key: tuple, batch: Any, reason: str) -> None:
-        planning = prepare(self.model, detached(batch), optimizer=self.optimizer,
-                           blocks=self._blocks, loss_fn=self.loss_fn, predict=self.predict,
-                           ops=self.ops)
+        planning = prepare(self.model, detached(batch), step=self.step, blocks=self._blocks,
+                           predict=self.predict, ops=self.ops)
         # after a training call the user's optimizer holds its state: resident, as the
         # parameters are (CPU; on CUDA the process's held memory already counts it)
         state = planning.costs.state if self._stepped else 0

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import one_tensor, tensors
-from rematlab.core.steps import LossFn
+from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget, is_auto
 from rematlab.plans.plan import ChainCosts
@@ -42,10 +42,9 @@ def room(budget: int) -> int:
 
 
 def predicted_costs(model: nn.Module, batch: object, st: Structure, device: object,
-                    optimizer: str | None, loss_fn: LossFn | None,
-                    target: str | Target | dict | None, ops: bool = False
+                    step: Step, target: str | Target | dict | None, ops: bool = False
                     ) -> tuple[ChainCosts, Target]:
-    """The costs of `model`'s step on `batch` as `target` would run it (with `ops`, each
+    """The costs of `model`'s `step` on `batch` as `target` would run it (with `ops`, each
     block's menu of op-level options too), and the target (None: the device the batch is
     on, calibrated). On a CUDA target the cuBLAS workspace is resident; a calibrated target
     says what a checkpoint costs beyond the forward it repeats."""
@@ -53,11 +52,9 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
             else next(tensors(batch)).device.type)
     tgt = resolve_target(target, kind)
     if st.kind == "layers":
-        costs = profile_layers(model, batch, st.blocks, loss_fn=loss_fn, optimizer=optimizer,
-                               target=tgt, ops=ops)
+        costs = profile_layers(model, batch, st.blocks, step=step, target=tgt, ops=ops)
     else:
-        costs = profile_chain(st.blocks, one_tensor(batch), optimizer=optimizer, target=tgt,
-                              ops=ops, loss_fn=loss_fn)
+        costs = profile_chain(st.blocks, one_tensor(batch), target=tgt, ops=ops, step=step)
     return replace(costs, base=costs.base + tgt.workspace,
                    optimizer_peak=costs.optimizer_peak + tgt.workspace,
                    checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt

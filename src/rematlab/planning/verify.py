@@ -11,7 +11,8 @@ from torch import nn
 
 from rematlab.core.batch import tensors
 from rematlab.core.probes import StepMemory, one_phase, peak_of
-from rematlab.core.steps import LossFn, preserved, step
+from rematlab.core.recipe import Step
+from rematlab.core.steps import preserved
 from rematlab.plans.fixed import (
     every_layer_plan,
     none_plan,
@@ -20,58 +21,60 @@ from rematlab.plans.fixed import (
     sqrt_plan,
     uniform_plan,
 )
-from rematlab.plans.plan import ChainCosts, Plan, overhead, simulate
+from rematlab.plans.plan import ChainCosts, Plan
+from rematlab.plans.simulate import overhead, simulate
 from rematlab.remat.chain import compiled, compiling
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.strategies import RematChain
 
 
 def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
-                 costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
-    """Measured peak of a training step under `chosen` (compiled if `chosen.compiled`):
-    forward, loss and backward with the output alive until the end and the optimizer state's
+                 costs: ChainCosts, step: Step | None = None) -> int:
+    """Measured peak of the user's training step (`Step.backward_passes`; rematlab's own
+    by default) under `chosen` (compiled if `chosen.compiled`) with the optimizer state's
     bytes allocated, then the optimizer step's peak from `costs` (which was measured on
     tensors shaped like the parameters). Parameters, buffers and RNG are restored."""
+    step = step or Step()
     remat = RematChain(chain, chosen)
     run = compiled(remat) if chosen.compiled else remat
     with compiling():
         if chosen.compiled:  # compile forward and backward outside the measurement
             with preserved(remat):
-                step(run, x, loss_fn)
-        return step_peak(remat, run, x, costs.state, costs.optimizer_peak, loss_fn,
-                         tensors_seen=not chosen.compiled)
+                step.micro_batch(run, x)
+        return step_peak(remat, run, x, costs, step, tensors_seen=not chosen.compiled)
 
 
 def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
-                        batch: object, costs: ChainCosts, loss_fn: LossFn | None = None) -> int:
+                        batch: object, costs: ChainCosts, step: Step | None = None) -> int:
     """Measured peak of the user's step with `chosen` installed on the model's layers (the
     whole model compiled if `chosen.compiled`, as `torch.compile(apply(model, plan))`)."""
+    step = step or Step()
     twin = attach(model, LayerRemat(layers, chosen))
     if not chosen.compiled:
-        return step_peak(model, twin, batch, costs.state, costs.optimizer_peak, loss_fn)
+        return step_peak(model, twin, batch, costs, step)
     run = compiled(twin)
     with compiling():
         with preserved(model):  # compile forward and backward outside the measurement
-            step(run, batch, loss_fn)
-        return step_peak(model, run, batch, costs.state, costs.optimizer_peak, loss_fn,
-                         tensors_seen=False)
+            step.micro_batch(run, batch)
+        return step_peak(model, run, batch, costs, step, tensors_seen=False)
 
 
-def step_peak(owner: nn.Module, run: Callable, batch: object, state_bytes: int,
-              optimizer_peak: int, loss_fn: LossFn | None, tensors_seen: bool = True) -> int:
-    """Peak bytes of one step (`steps.step`) of `run` on `batch` by `probes.StepMemory`, with
-    `owner`'s parameters, buffers, the batch and `state_bytes` of optimizer state alive
+def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
+              step: Step, tensors_seen: bool = True) -> int:
+    """Peak bytes of the user's step (`Step.backward_passes`: its micro-batches, autocast,
+    loss scaling and clipping) of `run` on `batch` by `probes.StepMemory`, with `owner`'s
+    parameters, buffers, the batch and the optimizer state's bytes (`costs.state`) alive
     (tensors counted only where the tracker sees them: eager code); at least the optimizer
     step's peak (`ChainCosts.optimizer_peak`). `owner`'s gradients, buffers and the RNG are
     restored."""
     device = next(tensors(batch)).device
-    state = torch.empty(state_bytes, dtype=torch.uint8, device=device)
+    state = torch.empty(costs.state, dtype=torch.uint8, device=device)
     with preserved(owner):
         memory = peak_of(StepMemory(device, tensors_seen=tensors_seen),
                          [*owner.parameters(), *owner.buffers(), *tensors(batch), state],
-                         one_phase(lambda: step(run, batch, loss_fn)))
+                         one_phase(lambda: step.backward_passes(run, batch, owner)))
     del state
-    return max(memory.peak, optimizer_peak)
+    return max(memory.peak, costs.optimizer_peak)
 
 
 def strategy_table(costs: ChainCosts, budget: int | None = None, per_layer: bool = False

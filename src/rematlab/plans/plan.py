@@ -6,7 +6,8 @@ block index (run it and keep what its backward needs) or a `Segment` (run blocks
 the segment's own `inner` items, which may hold further segments: multi-level checkpointing).
 
 This module imports no torch: plans are serialised as JSON and their peak memory and time are
-simulated over per-block cost arrays (`ChainCosts`), the same model the solver optimises.
+simulated over per-block cost arrays (`ChainCosts`; `rematlab.plans.simulate`), the same model
+the solver optimises.
 
 Design note — the memory model. Memory is accounted relative to a baseline (parameters,
 optimizer state, the input batch, the loss gradient). A block run plainly *holds* its saved
@@ -110,6 +111,13 @@ class ChainCosts:
     fwd_range: list[tuple[float, float]] = field(default_factory=list)
     bwd_range: list[tuple[float, float]] = field(default_factory=list)
     checkpoint_time: float = 0.0
+    # the user's step (`rematlab.core.recipe.Step`): `cast[i]` the bytes of block i's
+    # low-precision weight copies that autocast caches until the forward ends (held by a
+    # checkpointed block beyond its input; a kept block saves them anyway); with
+    # `grads_resident` every gradient is alive all step (accumulation, `set_to_none=False`),
+    # counted in `base`, so none appears during backward
+    cast: list[int] = field(default_factory=list)
+    grads_resident: bool = False
 
     @property
     def n(self) -> int:
@@ -136,7 +144,13 @@ class ChainCosts:
                        bwd_time=[r[end] for r in self.bwd_range])
 
     def grads_between(self, start: int, end: int) -> int:
-        return sum(self.grad[start:end])
+        """Gradient bytes that backward creates for blocks `start..end-1` (none when they
+        are resident, already in `base`)."""
+        return 0 if self.grads_resident else sum(self.grad[start:end])
+
+    def cached(self, start: int, end: int) -> int:
+        """Autocast's cached weight copies of blocks `start..end-1`."""
+        return sum(self.cast[start:end]) if self.cast else 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -279,99 +293,3 @@ def validate_items(items: tuple[Item, ...], start: int, end: int, inside: bool =
             pos = item.end
     if pos != end:
         raise ConfigError(f"plan covers blocks up to {pos - 1}, expected up to {end - 1}")
-
-
-# --- simulation ----------------------------------------------------------------------------------
-
-
-def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tuple[int, float]:
-    """Memory (above the baseline, with the gradient of `x[end]` counted in it) and time that
-    the items need to run forward and backward over `..end-1`; `held_in` says whether the input
-    of the first item is already held by someone else."""
-    if not items:
-        return 0, 0.0
-    first, rest = items[0], items[1:]
-    if isinstance(first, (int, Selective)):
-        s, opt = kept(first, c)
-        held, fwd, bwd = keep_terms(c, s, end, held_in, opt)
-        m_rest, t_rest = need(rest, end, opt.keeps_output if opt else c.keeps_output[s], c)
-        step = opt.fwd_time + opt.bwd_time if opt else c.fwd_time[s] + c.bwd_time[s]
-        return max(fwd, held + m_rest, bwd), step + t_rest
-    s, k = first.start, first.end
-    held, fwd, recompute_base = checkpoint_terms(c, s, k, end, held_in)
-    m_rest, t_rest = need(rest, end, False, c)
-    m_in, t_in = need(first.inner, k, True, c)
-    mem = max(fwd, held + m_rest, recompute_base + m_in)
-    return mem, sum(c.fwd_time[s:k]) + c.checkpoint_time + t_rest + t_in
-
-
-def kept(item: int | Selective, c: ChainCosts) -> tuple[int, Option | None]:
-    """A kept item's block and its option (None: the block run plainly)."""
-    if isinstance(item, int):
-        return item, None
-    return item.block, c.option(item.block, item.option)
-
-
-def keep_terms(c: ChainCosts, s: int, end: int, held_in: bool, opt: Option | None = None
-               ) -> tuple[int, int, int]:
-    """Block s run kept (plainly, or under option `opt`), with `..end` to backpropagate:
-    what it holds until its backward, its forward peak and its backward peak (relative, as
-    in `need`). The one place these formulas live: the simulator (`need`) and the solver
-    both call it."""
-    saved, ki, ko, fwd_mem, bwd_mem = ((opt.saved, opt.keeps_input, opt.keeps_output,
-                                        opt.fwd_mem, opt.bwd_mem) if opt else
-                                       (c.saved[s], c.keeps_input[s], c.keeps_output[s],
-                                        c.fwd_mem[s], c.bwd_mem[s]))
-    if end == s + 1 < c.n and not opt and c.rec_mem:  # it ends a recomputed segment
-        fwd_mem = c.rec_mem[s]
-    held = saved + (c.x[s] if ki and not held_in else 0) + (c.x[s + 1] if ko else 0)
-    fwd = (0 if held_in else c.x[s]) + fwd_mem
-    if s == c.n - 1:  # the chain's last block is always kept: the loss runs after it
-        fwd = max(fwd, held + c.loss_mem)
-    bwd = held + c.x[s + 1] - c.x[end] + c.grads_between(s + 1, end) + bwd_mem
-    return held, fwd, bwd
-
-
-def checkpoint_terms(c: ChainCosts, s: int, k: int, end: int, held_in: bool
-                     ) -> tuple[int, int, int]:
-    """Segment [s, k) checkpointed, with `..end` to backpropagate: what it holds (its input),
-    the peak of its forward run without saving, and the memory already live when backward
-    recomputes it (its input, the output gradient, the gradients of later blocks)."""
-    held = 0 if held_in else c.x[s]
-    fwd = held + max(c.fwd_mem[i] + (c.x[i] if i > s else 0) for i in range(s, k))
-    recompute_base = held + c.x[k] - c.x[end] + c.grads_between(k, end)
-    return held, fwd, recompute_base
-
-
-def held_bytes(plan: Plan, c: ChainCosts) -> int:
-    """What a plan holds for backward when its forward ends: kept blocks' saved tensors and
-    boundaries, checkpointed segments' inputs (the terms of `need`)."""
-    total, held_in = 0, True
-    for item in plan.items:
-        if isinstance(item, (int, Selective)):
-            s, opt = kept(item, c)
-            total += keep_terms(c, s, c.n, held_in, opt)[0]
-            held_in = opt.keeps_output if opt else c.keeps_output[s]
-        else:
-            total += checkpoint_terms(c, item.start, item.end, c.n, held_in)[0]
-            held_in = False
-    return total
-
-
-def simulate(plan: Plan, costs: ChainCosts) -> tuple[int, float]:
-    """Peak bytes of the whole training step and its time (seconds) under `plan`."""
-    if plan.n_blocks != costs.n:
-        raise ConfigError(f"plan is for {plan.n_blocks} blocks, the chain has {costs.n}")
-    mem, time = need(plan.items, costs.n, True, costs)
-    return step_peak(costs, mem), time
-
-
-def step_peak(costs: ChainCosts, mem: int) -> int:
-    """The whole step's peak for a plan whose forward+backward needs `mem` bytes above the
-    baseline: the larger of that and the optimizer step's own peak."""
-    return max(costs.base + mem, costs.optimizer_peak)
-
-
-def overhead(time: float, none_time: float) -> float:
-    """Time overhead of a plan against keeping every activation: `time / none - 1`."""
-    return time / none_time - 1.0 if none_time > 0 else 0.0

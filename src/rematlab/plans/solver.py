@@ -5,7 +5,11 @@ In the spirit of rotor (Beaumont et al., "Optimal checkpointing for heterogeneou
 already held, the fastest schedule either runs block s keeping its activations and solves
 [s+1, t), or checkpoints a segment [s, k) — keeping only its input — solves [k, t), and later
 recomputes [s, k) under its own optimal (possibly again checkpointed) schedule. That recursion
-is exactly `plan.need`, so the solver's plans and the simulator agree by construction.
+is exactly `plan.need`, so the solver's plans and the simulator agree by construction. Under
+autocast the forward also holds checkpointed blocks' cached weight casts
+(`plan.cached_forward`), which the recursion does not see: the frontier's peaks are the
+simulator's (`items_cost`), so no budget is broken, and the plans are optimal for the
+recursion's costs, the casts added after.
 
 Why it is fast enough for long chains (docs/benchmarks/planner.md):
 - **One table, every budget.** A solve fills the best time of the whole chain at every memory
@@ -38,16 +42,8 @@ import numpy as np
 
 from rematlab.core.units import infeasible
 from rematlab.exceptions import ConfigError
-from rematlab.plans.plan import (
-    ChainCosts,
-    Item,
-    Plan,
-    Segment,
-    Selective,
-    keep_terms,
-    need,
-    step_peak,
-)
+from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
+from rematlab.plans.simulate import items_cost, keep_terms, need
 
 WORK = 100_000_000  # table cells a solve may read: about a second of numpy on this machine
 MAX_CELLS = 20_000_000  # table cells (sub-chains x levels): ~240 MB with the choices
@@ -90,8 +86,7 @@ class Solution:
         for lvl in np.flatnonzero(improves):
             items = self._build(self.table.shape[0] - 1, 1, 0, c.n, int(lvl))
             if items not in found:
-                mem, time = need(items, c.n, True, c)
-                found[items] = (step_peak(c, mem), time)
+                found[items] = items_cost(items, c)
         if not found:  # costs no plan can meet (negative or inconsistent profiles)
             raise ConfigError(f"the profiled costs of these {c.n} blocks admit no plan; "
                               "check which blocks were chosen (blocks=)")

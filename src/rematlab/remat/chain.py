@@ -23,13 +23,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import (
+    CastRecorder,
     LiveTensorTracker,
     allocator_trace,
     rounded,
     storage_key,
 )
+from rematlab.core.recipe import Step
 from rematlab.core.steps import LossFn, default_loss, preserved, unit_loss
 from rematlab.core.timer import time_block, watched
 from rematlab.exceptions import ConfigError
@@ -53,13 +54,17 @@ def profile_chain(
     ops: bool = False,
     target: Target | None = None,
     loss_fn: LossFn | None = None,
+    step: Step | None = None,
 ) -> ChainCosts:
-    """Per-block costs at the example input's batch size (see module docstring); `unit`
+    """Per-block costs at the example input's batch size (see module docstring), for the
+    user's `step` (`rematlab.core.recipe`; else rematlab's own with `optimizer` and
+    `loss_fn`): blocks run forward in its autocast region, the optimizer phase is its; `unit`
     rounds every allocation up to the allocator's block size (512 for CUDA predictions).
     With `ops`, each block also gets its menu of op-level options (`rematlab.remat.ops`).
     With a `target`, the blocks and the input are fake twins (`rematlab.preflight`): bytes
     as a real run's, times the roofline's on the target; nothing is allocated or run."""
     device = device or example_input.device
+    step = step or Step(optimizer=optimizer, loss_fn=loss_fn)
     meta = device.type == "meta"
     predicted = meta or target is not None
     if predicted and compile:
@@ -79,7 +84,7 @@ def profile_chain(
     base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem", "grad",
-        "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range")}
+        "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range", "cast")}
     params_bytes = 0
     watch = (session.active() if session is not None else contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
@@ -87,19 +92,20 @@ def profile_chain(
     with watch:
         for i, block in enumerate(run):
             x_in = block_input(x, needs_grad=i > 0)
-            r = repeated.costs(block, [x_in], lambda b=block, x_in=x_in: b(x_in))
+            fwd = step.in_region(block, x_in.device)
+            r = repeated.costs(block, [x_in], lambda fwd=fwd, x_in=x_in: fwd(x_in))
             if r is None:
                 with preserved(block):
                     r = profile_block(block, x_in, repeats=0 if predicted else repeats,
-                                      unit=unit, target=target)
+                                      unit=unit, run=fwd, target=target)
                 if compile:
                     with preserved(block), compiling():
                         r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
-                                                                 compile=True).items()
+                                                                 run=fwd, compile=True).items()
                                   if k in COMPILED_KEYS})
                 if ops:
                     with preserved(block):
-                        r["options"] = block_options(block, block, x_in, r, repeats=repeats,
+                        r["options"] = block_options(block, fwd, x_in, r, repeats=repeats,
                                                      unit=unit, target=target)
                 repeated.remember(block, [x_in], r)
             r.setdefault("options", [])
@@ -113,17 +119,22 @@ def profile_chain(
             fields["fwd_time"] = list(fields["fwd_flops"])
             fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
         state, transient = optimizer_memory([p for b in run for p in b.parameters()],
-                                            optimizer, unit)
-        peak, loss_bytes = loss_peak(x, batch, loss_fn, unit)
+                                            step, unit)
+        peak, loss_bytes = loss_peak(x, batch, step, unit)
     out_bytes = fields["x"][-1]
     fields["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
+    if step.autocast is None:
+        fields["cast"] = []
     grads = sum(fields["grad"])
     return ChainCosts(
         **fields,
+        grads_resident=step.grads_resident,
         # the output and the loss (alive until the step ends, as in a user's loop), the
         # gradient backward starts from (alive until it ends), and the output's gradient
-        # (from the loss's backward until the last block's, then the next gradient's place)
-        base=params_bytes + state + base_input + 2 * out_bytes + 2 * loss_bytes,
+        # (from the loss's backward until the last block's, then the next gradient's place);
+        # every gradient when they are resident
+        base=params_bytes + state + base_input + 2 * out_bytes + 2 * loss_bytes
+        + (grads if step.grads_resident else 0),
         loss_mem=peak - out_bytes - 2 * loss_bytes,
         state=state,
         # the output and the loss are still alive in the user's loop
@@ -132,18 +143,20 @@ def profile_chain(
     )
 
 
-def loss_peak(out: torch.Tensor, batch: torch.Tensor, loss_fn: LossFn | None, unit: int
+def loss_peak(out: torch.Tensor, batch: torch.Tensor, step: Step, unit: int
               ) -> tuple[int, int]:
     """The peak of the loss's forward and backward above what is live before it (the
-    output), its gradient included, and the loss's own bytes: the user's loss or
-    `default_loss`, measured, because what it saves differs (cross-entropy keeps a
+    output), its gradient included, and the loss's own bytes: the step's loss (the user's,
+    or `default_loss`; a step function's own is measured when the plan is verified) in its
+    autocast region, measured, because what it saves differs (cross-entropy keeps a
     log-softmax as large as the output, the mean square nothing beyond the output)."""
     y = out.detach().requires_grad_()
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([y, batch])
     before = tracker.live
     with tracker:
-        loss = (loss_fn or default_loss)(y, batch)
+        with step.autocast_region(y.device):
+            loss = (step.loss_fn or default_loss)(y, batch)
         loss.backward()
     return tracker.peak - before, rounded(loss.element_size() * loss.numel(), unit)
 
@@ -253,6 +266,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
     marks: list[int] = []  # the forward's running peak each time autograd saves a tensor
+    casts = CastRecorder(block.parameters(), unit)  # autocast's weight cache (`Step`)
 
     def pack_marked(t: torch.Tensor) -> torch.Tensor:
         marks.append(tracker.peak)
@@ -262,7 +276,8 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         before = tracker.live
         with phase("forward"), scratch(), counting, \
                 flops if not compile else contextlib.nullcontext(), \
-                torch.autograd.graph.saved_tensors_hooks(pack_marked, lambda t: t), priced(0):
+                torch.autograd.graph.saved_tensors_hooks(pack_marked, lambda t: t), priced(0), \
+                casts if not compile else contextlib.nullcontext():
             out = run(x_in)
         fwd_mem = tracker.peak - before
         # a recomputation stops once the last saved tensor is made again (torch's early
@@ -307,6 +322,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         "fwd_time": fwd_time,
         "bwd_time": bwd_time,
         "fwd_flops": float(flops.get_total_flops()),
+        "cast": casts.nbytes,
         "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
         "out": nxt,
     }
@@ -331,24 +347,35 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
-def optimizer_memory(params: list[torch.Tensor], name: str | None, unit: int = 1
+def optimizer_memory(params: list[torch.Tensor], step: Step, unit: int = 1
                      ) -> tuple[int, int]:
-    """Bytes of optimizer state and the transient peak of a step, measured on tensors shaped
-    like `params` on their device (meta costs nothing); (0, 0) without an optimizer."""
-    if name is None:
-        return 0, 0
+    """Bytes of the step's optimizer state (and a GradScaler's) and the transient peak of its
+    optimizer phase — unscaling, clipping and the update, as the user's step runs them —
+    measured on tensors shaped like `params` on their device (meta costs nothing); (0, 0)
+    without an optimizer."""
     trainable = [p for p in params if p.requires_grad]
     clones = [nn.Parameter(torch.zeros_like(p)) for p in trainable]
     for c in clones:
         c.grad = torch.zeros_like(c)
-    opt = make_optimizer(name, clones)
+    opt = step.make_optimizer(clones)
+    if opt is None:
+        return 0, 0
+    device = clones[0].device if clones else torch.device("cpu")
+    scaler = step.make_scaler(device)
+    if scaler is not None:
+        scaler.scale(torch.ones((), device=device))  # makes its scale and growth tracker
+    readable = bool(clones) and not (device.type == "meta" or is_fake(clones[0]))
+
+    def phase() -> None:
+        step.update(clones, opt, scaler, readable)
+
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([*clones, *(c.grad for c in clones)])
     with tracker:
-        opt.step()
+        phase()
     before = tracker.live
     state = before - sum(2 * rounded(c.numel() * c.element_size(), unit) for c in clones)
     tracker.reset_peak()
     with tracker:
-        opt.step()
+        phase()
     return state, tracker.peak - before

@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from rematlab.core.batch import Batch, batch_bytes, call, first_float, tensors, to_device
+from rematlab.core.batch import Batch, batch_bytes, first_float, tensors, to_device
 from rematlab.core.probes import LiveTensorTracker, rounded
-from rematlab.core.steps import LossFn, default_loss, preserved, train_step
+from rematlab.core.recipe import Step
+from rematlab.core.steps import LossFn, preserved
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
@@ -39,38 +40,54 @@ def _output_tensor(out: Any) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class Profiling:
+    """How a layer model is profiled: for which step (`rematlab.core.recipe.Step`), with how
+    many timed repeats (0: not timed), compiled or not, with op-level menus or not, and for
+    which pre-flight target (None: measured here)."""
+
+    step: Step
+    repeats: int = 1
+    compile: bool = False
+    ops: bool = False
+    target: Target | None = None
+
+    @property
+    def unit(self) -> int:
+        return self.target.unit if self.target is not None else 1
+
+
 def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
                    loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
                    repeats: int = 1, compile: bool = False, ops: bool = False,
-                   target: Target | None = None) -> ChainCosts:
-    """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring),
-    measured on the batch's device; with `compile`, each layer's costs are those of the layer
-    compiled (what the model around it does is measured eager, and the plan's compiled step
-    is verified whole). With a `target`, the model (real or on the meta device) and the batch
+                   target: Target | None = None, step: Step | None = None) -> ChainCosts:
+    """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring)
+    for the user's `step` (else rematlab's own, with `optimizer` and `loss_fn`), measured on
+    the batch's device; with `compile`, each layer's costs are those of the layer compiled
+    (what the model around it does is measured eager, and the plan's compiled step is
+    verified whole). With a `target`, the model (real or on the meta device) and the batch
     (real or meta tensors) are profiled as fake twins (`rematlab.preflight`): bytes as a real
     run's, times the roofline's on the target; nothing is allocated or run."""
+    how = Profiling(step or Step(optimizer=optimizer, loss_fn=loss_fn), repeats, compile, ops)
     if target is None:
-        return _profile_layers(model, batch, layers, loss_fn, optimizer, repeats, compile,
-                               ops, None)
+        return _profile_layers(model, batch, layers, how)
     session = FakeSession(cuda=target.kind == "cuda")
     names = {id(m): n for n, m in model.named_modules()}
     twin = session.model(model)
     with session.active():
         return _profile_layers(twin, session.batch(batch),
-                               [twin.get_submodule(names[id(m)]) for m in layers], loss_fn,
-                               optimizer, 0, False, ops, target)
+                               [twin.get_submodule(names[id(m)]) for m in layers],
+                               replace(how, repeats=0, compile=False, target=target))
 
 
-def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                    loss_fn: LossFn | None, optimizer: str | None, repeats: int,
-                    compile: bool, ops: bool, target: Target | None) -> ChainCosts:
-    unit = target.unit if target is not None else 1
+def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
+                    ) -> ChainCosts:
+    unit, target, step = how.unit, how.target, how.step
     with watched("the layers' forward and backward times") if target is None \
             else contextlib.nullcontext():
         # short twins where the layers are alike (`shorten`), the whole model otherwise
-        rows, outer = (_shortened_run(model, batch, layers, loss_fn, repeats, compile, ops,
-                                      target)
-                       or _run(model, batch, layers, loss_fn, repeats, compile, ops, target))
+        rows, outer = (_shortened_run(model, batch, layers, how)
+                       or _run(model, batch, layers, how))
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
     outside_range = tuple(max(0.0, outer["step_range"][end] - sum(
@@ -79,7 +96,7 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
     live = outer["layer_live"]
     x = [0, *(r["x"] for r in rows), rounded(rows[-1]["out"].untyped_storage().nbytes(), unit),
          0]
-    state, transient = optimizer_memory(list(model.parameters()), optimizer, unit)
+    state, transient = optimizer_memory(list(model.parameters()), step, unit)
     params = sum(rounded(t.numel() * t.element_size(), unit)
                  for t in [*model.parameters(), *model.buffers()])
     grads = sum(rounded(p.numel() * p.element_size(), unit)
@@ -115,7 +132,10 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
         bwd_time=column("bwd_time", outside, 0.0),
         fwd_flops=column("fwd_flops", 0.0, 0.0),
         options=[[], *(r.get("options", []) for r in rows), []],
-        base=params + state + inputs + outer["output"] + outer["loss"],
+        cast=column("cast", 0, 0) if step.autocast is not None else [],
+        grads_resident=step.grads_resident,
+        base=params + state + inputs + outer["output"] + outer["loss"]
+        + (grads if step.grads_resident else 0),
         state=state,
         # the output and the loss are still alive in the user's loop
         optimizer_peak=params + grads + state + transient + inputs + outer["output"]
@@ -124,22 +144,23 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
     )
 
 
-def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], loss_fn: LossFn | None,
-         repeats: int, compile: bool, ops: bool, target: Target | None
+def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
          ) -> tuple[list[dict], dict]:
     """Each layer's profile (identical layers once, `Repeats`) and the outer costs."""
     device = next(tensors(batch)).device
     repeated = Repeats()
-    rows = [_profile_layer(layer, host_call, device, repeats, compile, repeated, ops, target)
-            for layer, host_call in zip(layers, capture(model, batch, layers), strict=True)]
-    outer = outer_costs(model, batch, layers, loss_fn, repeats, target)
-    if ops and target is None and repeats:
-        rows = _options_in_step(model, batch, layers, rows, loss_fn)
+    with how.step.autocast_region(device):  # the arguments each layer gets in the step
+        calls = capture(model, batch, layers)
+    rows = [_profile_layer(layer, host_call, device, repeated, how)
+            for layer, host_call in zip(layers, calls, strict=True)]
+    outer = outer_costs(model, batch, layers, how.step, how.repeats, how.target)
+    if how.ops and how.target is None and how.repeats:
+        rows = _options_in_step(model, batch, layers, rows, how.step)
     return rows, outer
 
 
 def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                     rows: list[dict], loss_fn: LossFn | None) -> list[dict]:
+                     rows: list[dict], step: Step) -> list[dict]:
     """The layers' options with the time they take in a step. A layer profiled alone under
     selective checkpointing can cost far less than it does between other layers (on this
     CPU a Llama-style layer's "save mm×7, bmm×2" profiled at +7-9 ms and took +18-20 ms in the
@@ -161,7 +182,7 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
             for name, plan in (("kept", none_plan(n)), ("options", optioned))}
     with preserved(model):
         timing = profile_timer(next(tensors(batch)).device).run(
-            {name: timed(lambda run=run: train_step(run, batch, loss_fn=loss_fn))
+            {name: timed(lambda run=run: one_pass(model, run, batch, step))
              for name, run in runs.items()}, OPTION_REPEATS, warmup=0)
     scale = max(1.0, (timing.median("options") - timing.median("kept")) / predicted)
 
@@ -173,9 +194,8 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
     return [scaled(r) for r in rows]
 
 
-def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                   loss_fn: LossFn | None, repeats: int, compile: bool, ops: bool,
-                   target: Target | None) -> tuple[list[dict], dict] | None:
+def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
+                   ) -> tuple[list[dict], dict] | None:
     """`_run` through the three-layer twin (`rematlab.remat.shorten`), and pre-flight the
     four-layer twin's step time; None where they do not apply, or where the model's loop
     does not run a shortened layer list (one that indexes its layers by the config's count):
@@ -184,47 +204,47 @@ def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module],
         with shortened(model, layers) as short:
             if short is None:
                 return None
-            rows, outer = _run(model, batch, short, loss_fn, repeats, compile, ops, target)
+            rows, outer = _run(model, batch, short, how)
         longer = None
-        if target is not None:
+        if how.target is not None:
             with shortened(model, layers, keep=4) as four:
-                longer = outer_costs(model, batch, four, loss_fn, 0, target)
+                longer = outer_costs(model, batch, four, how.step, 0, how.target)
     except Exception:  # see the docstring: the whole model's run decides
         return None
     return stretched(rows, outer, longer, len(layers))
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
-                   repeats: int, compile: bool, repeated: Repeats, ops: bool,
-                   target: Target | None) -> dict:
+                   repeated: Repeats, how: Profiling) -> dict:
     """One layer's costs, profiled on the arguments it received in the real forward (or
-    those of an identical layer profiled before it, `Repeats`)."""
+    those of an identical layer profiled before it, `Repeats`), its forward in the step's
+    autocast region."""
     lc = LayerCall(to_device(host_call.args, device), to_device(host_call.kwargs, device),
                    host_call.where)
     x_in = block_input(lc.hidden(), needs_grad=True)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def layer_run(x: torch.Tensor) -> torch.Tensor:
         args, kwargs = lc.with_hidden(x)
         return _output_tensor(layer(*args, **kwargs))
 
+    run = how.step.in_region(layer_run, device)
     inputs = [x_in, *lc.others()]
     row = repeated.costs(layer, inputs, lambda: run(x_in))
     if row is None:
         with preserved(layer):
-            row = profile_block(layer, x_in, repeats, run=run, others=lc.others(),
-                                compile=compile, target=target,
-                                unit=target.unit if target is not None else 1)
-        if ops:
+            row = profile_block(layer, x_in, how.repeats, run=run, others=lc.others(),
+                                compile=how.compile, target=how.target, unit=how.unit)
+        if how.ops:
             with preserved(layer):
                 row["options"] = block_options(layer, run, x_in, row, others=lc.others(),
-                                               repeats=repeats, target=target,
-                                               unit=target.unit if target is not None else 1)
+                                               repeats=how.repeats, target=how.target,
+                                               unit=how.unit)
         repeated.remember(layer, inputs, row)
     return dict(row)
 
 
-def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                loss_fn: LossFn | None, repeats: int, target: Target | None = None) -> dict:
+def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: Step,
+                repeats: int, target: Target | None = None) -> dict:
     """Costs of what runs before the first layer and after the last, from one tracked
     training step with every layer kept: live bytes and peaks between five events — first
     layer entered, last layer left, loss computed, gradient of the last layer's output
@@ -279,8 +299,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
             tracker.track([*params, *model.buffers(), *tensors(batch)])
             mark("start")
             with tracker, log:
-                out = call(plain, batch)
-                loss = (loss_fn or default_loss)(out, batch)
+                out, loss = step.forward(plain, batch)  # in the step's autocast region
                 mark("forward_end")
                 alive = seen["y_ref"]() is not None
                 output = batch_bytes(out)  # the user's loop keeps the output until the end
@@ -289,7 +308,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
                 loss.backward()
                 mark("end")
             del out, loss
-            step_time = _step_time(plain, batch, loss_fn, repeats)
+            step_time = _step_time(plain, batch, step, repeats)
             if target is not None:
                 fast, step_time, slow = interval(log.ops, target)
     finally:
@@ -327,12 +346,20 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module],
     }
 
 
-def _step_time(model: nn.Module, batch: Batch, loss_fn: LossFn | None, repeats: int) -> float:
-    """Median seconds of a forward+backward step with every layer kept, by the one timer
-    (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's). No warm-up
-    of its own: the tracked step just before it ran the same code on the same shapes."""
+def _step_time(model: nn.Module, batch: Batch, step: Step, repeats: int) -> float:
+    """Median seconds of one micro-batch's forward+backward with every layer kept, by the
+    one timer (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's). No
+    warm-up of its own: the tracked step just before it ran the same code on the same
+    shapes."""
     if repeats < 1:
         return 0.0
     timer = profile_timer(next(tensors(batch)).device)
-    work = timed(lambda: train_step(model, batch, loss_fn=loss_fn))
+    work = timed(lambda: one_pass(model, model, batch, step))
     return timer.run(work, repeats, warmup=0).median()
+
+
+def one_pass(owner: nn.Module, run: Callable, batch: Batch, step: Step) -> None:
+    """`owner`'s gradients set to None, then one micro-batch of `step` through `run`: the
+    step a profile times."""
+    owner.zero_grad(set_to_none=True)
+    step.micro_batch(run, batch)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -223,6 +224,7 @@ class _LayerForward:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
+        signed(self, type(layer).forward.__get__(layer))
 
     def __reduce__(self) -> tuple:
         return (_LayerForward, (self.layer,))
@@ -251,12 +253,15 @@ class _PlannedForward:
     def __init__(self, model: nn.Module, runner: LayerRemat) -> None:
         self.model = model
         self.runner = runner
+        signed(self, type(model).forward.__get__(model))
 
     def __reduce__(self) -> tuple:
         return (_PlannedForward, (self.model, self.runner))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         global _TRACED
+        if not torch.compiler.is_compiling():
+            refuse_double(self.model, self.runner.blocks)
         previous, _TRACED = _TRACED, self.runner
         try:
             if torch.compiler.is_compiling():
@@ -272,14 +277,40 @@ def _install(layer: nn.Module) -> None:
         object.__setattr__(layer, "forward", _LayerForward(layer))
 
 
+def signed(wrapper: Any, original: Callable) -> Any:
+    """`wrapper` given `original`'s name, docs and signature (`inspect.signature` reads
+    `__signature__`): libraries read a model's `forward` to decide what to pass it (HF
+    Trainer drops the dataset columns its signature does not name, PEFT and accelerate
+    inspect it), so a planned model must show the same one."""
+    wrapper.__signature__ = inspect.signature(original)
+    wrapper.__name__ = getattr(original, "__name__", "forward")
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    return wrapper
+
+
+def refuse_double(model: nn.Module, layers: list[nn.Module]) -> None:
+    """A plan and transformers' own activation checkpointing on the same layers would
+    checkpoint inside a checkpoint (every layer recomputed twice, the plan's budget void):
+    refused, with what to do."""
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in (model, *layers)):
+        raise ConfigError(f"{type(model).__name__} has transformers' activation checkpointing "
+                          "on (gradient_checkpointing_enable(), or a trainer's "
+                          "gradient_checkpointing=True); a rematlab plan replaces it: call "
+                          "model.gradient_checkpointing_disable() (or leave the trainer's "
+                          "gradient_checkpointing off)")
+
+
 def attach(model: nn.Module, runner: Any) -> nn.Module:
     """A shallow copy of `model` (same class, same parameters, buffers, submodules and
-    `state_dict` keys) whose forward runs under `runner`: a `LayerRemat` is activated around
-    the model's own forward; a `strategies.RematChain` replaces it. `model` itself is left as
-    it was. The runner is `remat_of(copy)`."""
+    `state_dict` keys, and a `forward` with the same signature) whose forward runs under
+    `runner`: a `LayerRemat` is activated around the model's own forward; a
+    `strategies.RematChain` replaces it. `model` itself is left as it was. The runner is
+    `remat_of(copy)`."""
+    if isinstance(runner, LayerRemat):
+        refuse_double(model, runner.blocks)
     twin = copy.copy(model)
     forward = _PlannedForward(twin, runner) if isinstance(runner, LayerRemat) \
-        else runner.forward
+        else signed(functools.partial(runner.forward), type(model).forward.__get__(model))
     object.__setattr__(twin, "forward", forward)
     object.__setattr__(twin, "_rematlab", runner)
     return twin

@@ -61,7 +61,8 @@ def _chain_costs(model: str, scale: str | None, shape: tuple[int, ...] | None, b
 
 def features(spec: Spec, device_name: str | None = None, threads: int | None = None) -> dict:
     """Analytic and configuration features of one configuration (meta device, < 1 s)."""
-    from rematlab.plans.plan import Segment, held_bytes, simulate
+    from rematlab.plans.plan import Segment
+    from rematlab.plans.simulate import held_bytes, simulate
 
     spec = spec.validate()
     unit = CUDA_BLOCK if spec.device.startswith("cuda") else 1

@@ -251,7 +251,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     from rematlab.measurement.spec import Spec
     from rematlab.planning.planner import prepare
     from rematlab.plans.fixed import none_plan
-    from rematlab.plans.plan import overhead, simulate
+    from rematlab.plans.simulate import overhead, simulate
 
     device = torch.device(grid.devices[0])
     rows = []

@@ -1,0 +1,286 @@
+"""The user's training step as data: `Step` says how the loop a plan is made for runs, and
+every layer that prices a step (profiles, the simulator, verification, pre-flight, the study's
+plan stage) reads it, so that a budget is for *that* step and not for rematlab's own.
+
+What the trainers users run do, and what each field holds (Lightning's precision plugin and
+HF's `TrainingArguments` describe the same loop):
+
+- `precision`: the forward and the loss run under `torch.autocast` in bf16 or fp16 (HF
+  `bf16=True`, Lightning `"bf16-mixed"`, Accelerate `mixed_precision="bf16"`); backward runs
+  outside it. Autocast keeps a cache of the low-precision copies of trainable fp32 weights
+  until the autocast region ends, so a checkpointed layer still holds its cast weights
+  through the rest of the forward (`ChainCosts.cast`), and saved tensors have the dtypes
+  autocast gives them. fp16 comes with a `torch.amp.GradScaler` (`scaler`), as every trainer
+  pairs them: the loss is scaled, gradients are unscaled in place before clipping.
+- `micro_batches`: forwards per optimizer step (gradient accumulation). From the second
+  micro-batch on, every parameter's gradient is alive through the forward and backward
+  (`grads_resident`); a plan made for one micro-batch would overshoot.
+- `clip`: `torch.nn.utils.clip_grad_norm_(params, clip)` before the optimizer step.
+- `optimizer`: a name (`core.optimizers.OPTIMIZERS`) or a `torch.optim.Optimizer` class, with
+  `optimizer_kwargs` (`lr`, `foreach`, `fused`, ...).
+- `set_to_none`: `zero_grad(set_to_none=...)`; with False the gradients are alive (zeros)
+  before the first forward, as under accumulation.
+- `loss_fn(output, batch)`, or the user's whole forward as `fn(model, batch) -> loss`, for
+  anything else their step does (rematlab runs it under its probes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematlab.core.batch import Batch, tensors
+from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
+from rematlab.core.probes import Clock
+from rematlab.core.steps import PHASES, LossFn, forward
+from rematlab.exceptions import ConfigError
+
+StepFn = Callable[[nn.Module, Batch], torch.Tensor]  # fn(model, batch) -> loss
+PRECISIONS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
+              "fp16": torch.float16, "float16": torch.float16, "16-mixed": torch.float16,
+              "16": torch.float16}
+FULL = ("fp32", "float32", "32", "32-true", "no", "none")  # no autocast
+
+
+@dataclass(frozen=True)
+class Step:
+    """How the user's training step runs (module docstring). The default is rematlab's own
+    step: fp32, one micro-batch, no clipping, momentum SGD, gradients set to None."""
+
+    precision: str | torch.dtype | None = None
+    micro_batches: int = 1
+    clip: float | None = None
+    optimizer: str | type[torch.optim.Optimizer] | None = "momentum"
+    optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    set_to_none: bool = True
+    scaler: bool | None = None  # None: a GradScaler exactly when precision is fp16
+    loss_fn: LossFn | None = None
+    fn: StepFn | None = None
+
+    def __post_init__(self) -> None:
+        self.autocast  # noqa: B018 - validates the precision
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                or not 1 <= self.micro_batches <= 1_000_000:
+            raise ConfigError(f"micro_batches must be an integer in [1, 1000000], got "
+                              f"{self.micro_batches!r}")
+        if self.clip is not None and not (isinstance(self.clip, (int, float))
+                                          and 0 < self.clip < float("inf")):
+            raise ConfigError(f"clip (the max gradient norm) must be a positive number, got "
+                              f"{self.clip!r}")
+        opt = self.optimizer
+        if isinstance(opt, str) and opt not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {opt!r}; choose one of "
+                              f"{', '.join(OPTIMIZERS)} or pass a torch.optim.Optimizer class")
+        if opt is not None and not isinstance(opt, str) and not (
+                isinstance(opt, type) and issubclass(opt, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer must be a name or a torch.optim.Optimizer class, "
+                              f"got {opt!r}"[:200])
+        if self.optimizer_kwargs and isinstance(opt, str):
+            raise ConfigError("optimizer_kwargs go with an optimizer class (torch.optim.AdamW, "
+                              "...), not a name")
+        if self.scaler and self.autocast != torch.float16:
+            raise ConfigError("a GradScaler goes with fp16 autocast (precision='fp16')")
+        for name in ("loss_fn", "fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ConfigError(f"{name} must be callable")
+        if self.fn is not None and self.loss_fn is not None:
+            raise ConfigError("give the loss once: a step function (fn) computes its own loss, "
+                              "so it takes no loss_fn")
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype, or None for a full-precision step."""
+        p = self.precision
+        if p is None or (isinstance(p, str) and p.lower() in FULL):
+            return None
+        if isinstance(p, torch.dtype):
+            if p in (torch.bfloat16, torch.float16):
+                return p
+            if p == torch.float32:
+                return None
+        elif isinstance(p, str) and p.lower() in PRECISIONS:
+            return PRECISIONS[p.lower()]
+        raise ConfigError(f"unknown precision {p!r}; choose bf16, fp16 or fp32")
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the loss goes through a `torch.amp.GradScaler`."""
+        return self.autocast == torch.float16 if self.scaler is None else self.scaler
+
+    @property
+    def grads_resident(self) -> bool:
+        """Whether every parameter's gradient is alive from the start of a forward: under
+        gradient accumulation (from the second micro-batch on), or when `zero_grad` sets
+        them to zeros rather than None."""
+        return self.micro_batches > 1 or not self.set_to_none
+
+    def autocast_region(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The autocast region a forward runs in (nothing for a full-precision step)."""
+        dtype = self.autocast
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def in_region(self, fn: Callable, device: torch.device) -> Callable:
+        """`fn` run inside the step's autocast region (`fn` itself for full precision): how
+        a block or layer is profiled, its backward left outside the region."""
+        if self.autocast is None:
+            return fn
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self.autocast_region(device):
+                return fn(*args, **kwargs)
+        return run
+
+    def forward(self, model: Callable, batch: Batch) -> tuple[Any, torch.Tensor]:
+        """The output (None for a step function) and the loss of one micro-batch, under the
+        step's autocast region; backward runs outside it, as trainers run it."""
+        device = _device_of(model, batch)
+        with self.autocast_region(device):
+            if self.fn is not None:
+                loss = self.fn(model, batch)
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise ConfigError("the step function must return the loss, a scalar "
+                                      f"tensor (got {type(loss).__name__})")
+                return None, loss
+            return forward(model, batch, self.loss_fn)
+
+    def backward_passes(self, run: Callable, batch: Batch, owner: nn.Module) -> None:
+        """What a plan's measured peak covers of the step: every micro-batch's forward
+        (under autocast) and backward (the loss scaled by a GradScaler's scale, divided by
+        the micro-batches), then clipping. Gradients are set to zeros first when the loop
+        keeps them (`set_to_none=False`); two micro-batches stand for any number above one,
+        since from the second on each is the same (the gradients are alive). The optimizer
+        step's peak is measured apart, on tensors shaped like the parameters
+        (`optimizer_memory`), so the user's weights are never updated."""
+        params = [p for p in owner.parameters() if p.requires_grad]
+        if not self.set_to_none:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        for _ in range(min(self.micro_batches, 2)):
+            self.micro_batch(run, batch)
+        if self.clip is not None and params:
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+    def micro_batch(self, run: Callable, batch: Batch) -> None:
+        """One micro-batch's forward and backward: the loss divided by the micro-batches
+        and multiplied by a GradScaler's initial scale (2^16) where there is one."""
+        out, loss = self.forward(run, batch)
+        if self.micro_batches > 1:
+            loss = loss / self.micro_batches
+        if self.scaled:
+            loss = loss * torch.full((), 2.0 ** 16, device=loss.device)
+        loss.backward()
+        del out, loss
+
+    def train_step(self, model: nn.Module, batch: Batch, run: Callable | None = None,
+                   optimizer: torch.optim.Optimizer | None = None,
+                   clock: Clock | None = None) -> dict[str, float]:
+        """The whole optimizer step of `run` (default: `model`) as the user's loop runs it,
+        timed: gradients zeroed as the loop does, every micro-batch in the autocast region
+        with its loss divided and scaled, backward, then unscaling, clipping and the
+        optimizer's step (a GradScaler's update included). With `clock`, each phase's
+        seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s."""
+        run = run if run is not None else model
+        times = dict.fromkeys(PHASES, 0.0)
+
+        def timed(name: str, work: Callable[[], Any]) -> Any:
+            if clock is not None:
+                clock.start()
+            result = work()
+            if clock is not None:
+                times[name] += clock.stop()
+            return result
+
+        scaler = (self.make_scaler(_device_of(model, batch)) if optimizer is not None
+                  else None)
+        (optimizer or model).zero_grad(set_to_none=self.set_to_none)
+        for _ in range(self.micro_batches):
+            out, loss = timed("forward", lambda: self.forward(run, batch))
+            if self.micro_batches > 1:
+                loss = loss / self.micro_batches
+            if scaler is not None:
+                loss = scaler.scale(loss)
+            timed("backward", loss.backward)
+            del out, loss
+        if optimizer is not None:
+            timed("optimizer", lambda: self.update(model.parameters(), optimizer, scaler))
+        times["step"] = sum(times[p] for p in PHASES)
+        return times
+
+    def update(self, params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler | None, readable: bool = True) -> None:
+        """The optimizer phase: unscale, clip, step (through the scaler), update the scale.
+        A scaler's step reads whether a gradient overflowed (`.item()`), which fake and meta
+        tensors cannot answer: with `readable=False` the update runs unconditionally, as it
+        does when none did."""
+        params = list(params)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if self.clip is not None and params:
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+        if scaler is not None and readable:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+        if scaler is not None:
+            scaler.update()
+
+    def make_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer | None:
+        """The step's optimizer over `params` (None without one)."""
+        if self.optimizer is None:
+            return None
+        if isinstance(self.optimizer, str):
+            return make_optimizer(self.optimizer, params)
+        try:
+            return self.optimizer(list(params), **dict(self.optimizer_kwargs))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"{self.optimizer.__name__}(**{dict(self.optimizer_kwargs)}) "
+                              f"fails: {exc}"[:300]) from exc
+
+    def make_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(device.type) if self.scaled else None
+
+    def to_dict(self) -> dict:
+        """What a plan records of the step it was made for (JSON-ready)."""
+        opt = self.optimizer
+        return {"precision": str(self.autocast).removeprefix("torch.") if self.autocast
+                else "fp32",
+                "micro_batches": self.micro_batches, "clip": self.clip,
+                "optimizer": opt if opt is None or isinstance(opt, str)
+                else f"{opt.__module__}.{opt.__qualname__}",
+                "optimizer_kwargs": {k: v for k, v in dict(self.optimizer_kwargs).items()
+                                     if isinstance(v, (bool, int, float, str))},
+                "set_to_none": self.set_to_none, "scaler": self.scaled,
+                "step_fn": self.fn is not None}
+
+
+def as_step(step: Step | None = None, optimizer: Any = "momentum",
+            loss_fn: LossFn | None = None) -> Step:
+    """One `Step` from `step`, or from the older keywords (`optimizer=`, `loss_fn=`) that
+    describe rematlab's own step; saying it both ways is refused, since the two could
+    disagree."""
+    if step is None:
+        return Step(optimizer=optimizer, loss_fn=loss_fn)
+    if not isinstance(step, Step):
+        raise ConfigError(f"step must be a rematlab.Step, got {type(step).__name__}")
+    if optimizer != "momentum" or loss_fn is not None:
+        raise ConfigError("say the step once: optimizer= and loss_fn= belong inside "
+                          "step=Step(...)")
+    return step
+
+
+def _device_of(model: Callable, batch: Batch) -> torch.device:
+    first = next(tensors(batch), None)
+    if first is not None:
+        return first.device
+    if isinstance(model, nn.Module):
+        p = next(model.parameters(), None)
+        if p is not None:
+            return p.device
+    return torch.device("cpu")

@@ -1,0 +1,167 @@
+"""Plans for the step users really run (`rematlab.Step`): bf16 autocast, fp16 with a
+GradScaler, gradient accumulation with clipping and AdamW, the user's own step function. Each
+plan is held against the user's own loop written with torch's APIs and measured by torch's
+MemTracker (the live-storage tracker where several forwards run per step), and its
+gradients against the plain model's under the same step."""
+
+import functools
+import inspect
+
+import pytest
+import torch
+
+import rematlab
+from rematlab.exceptions import ConfigError
+from tests.meters import user_loop_peak
+from tests.realzoo import gpt2, llama
+
+MODELS = {"gpt2": functools.partial(gpt2, batch=4, seq=64, layers=8, width=64),
+          "llama": functools.partial(llama, batch=4, seq=64, layers=8, width=64)}
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
+CASES = {
+    "bf16": ({"precision": "bf16"}, {"precision": "bf16"}),
+    "fp16-scaler": ({"precision": "fp16"}, {"precision": "fp16"}),
+    "accumulate-clip-adamw": ({"micro_batches": 4, "clip": 1.0},
+                              {"micro_batches": 4, "clip": 1.0, "meter": "live"}),
+}
+
+
+def _grads(model, batch, precision=None, micro_batches=1):
+    model.zero_grad(set_to_none=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    for _ in range(micro_batches):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = model(**batch).loss / micro_batches
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_plan_for_the_users_step_keeps_its_budget_uses_it_and_keeps_gradients(name, case):
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    model.train()
+    step_kw, loop_kw = CASES[case]
+    step = rematlab.Step(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-4},
+                         **step_kw)
+    planning = rematlab.prepare(model, batch, step=step)
+    floor, full = planning.measured_floor(), planning.full
+    assert floor < full
+    plain = user_loop_peak(model, batch, optimizer=ADAMW, **loop_kw)
+    budgets = [floor, (floor + full) // 2, max(full, plain)]
+    for budget in budgets:
+        chosen = planning.choose(budget)
+        planned = rematlab.apply(model, chosen)
+        peak = user_loop_peak(planned, batch, optimizer=ADAMW, **loop_kw)
+        assert peak <= budget, (budget, chosen.describe(), peak)
+        if budget == budgets[1]:
+            assert peak >= 0.9 * budget, (budget, chosen.describe(), peak)
+    # gradients under the floor plan equal the plain model's under the same step
+    planned = rematlab.apply(model, planning.choose(floor))
+    model.eval()  # no dropout: two runs of the plain model agree, so the comparison is exact
+    precision, k = step_kw.get("precision"), step_kw.get("micro_batches", 1)
+    expected = _grads(model, batch, precision, k)
+    got = _grads(planned, batch, precision, k)
+    model.train()
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_made_for_fp32_wastes_budget_in_an_autocast_loop():
+    """The issue's case: the autocast-aware plan checkpoints fewer layers at the same budget
+    than a plan made for fp32, and still fits the user's autocast loop."""
+    torch.manual_seed(0)
+    model, batch = MODELS["gpt2"]()
+    model.train()
+    bf16 = rematlab.prepare(model, batch, step=rematlab.Step(precision="bf16"))
+    fp32 = rematlab.prepare(model, batch)
+    budget = (bf16.measured_floor() + bf16.full) // 2
+    aware = bf16.choose(budget)
+    unaware = fp32.choose(max(budget, fp32.measured_floor()))
+    assert len(aware.segments) < len(unaware.segments)
+    assert user_loop_peak(rematlab.apply(model, aware), batch, precision="bf16",
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.01,
+                                                      momentum=0.9)) <= budget
+
+
+def test_the_users_own_step_function_is_what_the_budget_holds():
+    torch.manual_seed(0)
+    model, batch = MODELS["gpt2"]()
+    model.train()
+
+    def my_step(m, b):  # a loss with an auxiliary term, on the logits
+        out = m(**b)
+        return out.loss + 1e-3 * out.logits.float().square().mean()
+
+    step = rematlab.Step(fn=my_step, precision="bf16")
+    planning = rematlab.prepare(model, batch, step=step)
+    budget = (planning.measured_floor() + planning.full) // 2
+    chosen = planning.choose(budget)
+    planned = rematlab.apply(model, chosen)
+    from rematlab.core.probes import LiveTensorTracker
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(3):  # two warm-up steps, then the measured one
+        opt.zero_grad(set_to_none=True)
+        tracker = LiveTensorTracker()
+        state = [t for s in opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        tracker.track([*model.parameters(), *model.buffers(), *batch.values(), *state])
+        with tracker:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = my_step(planned, batch)
+            loss.backward()
+            del loss
+            opt.step()
+    assert tracker.peak <= budget
+    assert chosen.measured_peak <= budget
+
+
+def test_accumulation_is_priced_with_every_gradient_alive():
+    """With several micro-batches the floor rises by about the gradients' bytes."""
+    torch.manual_seed(0)
+    model, batch = MODELS["gpt2"]()
+    one = rematlab.prepare(model, batch, step=rematlab.Step(optimizer=None))
+    four = rematlab.prepare(model, batch, step=rematlab.Step(optimizer=None, micro_batches=4))
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert four.costs.grads_resident and not one.costs.grads_resident
+    assert four.costs.base - one.costs.base == grads
+    assert four.floor > one.floor
+
+
+def test_apply_keeps_the_forward_signature_and_refuses_double_checkpointing():
+    model, batch = MODELS["gpt2"]()
+    planned = rematlab.apply(model, "every:1")
+    assert inspect.signature(planned.forward) == inspect.signature(model.forward)
+    layer = planned.transformer.h[0]
+    assert inspect.signature(layer.forward) == inspect.signature(
+        type(layer).forward.__get__(layer))
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
+        planned(**batch)
+    with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
+        rematlab.apply(model, "every:1")
+    model.gradient_checkpointing_disable()
+    planned(**batch).loss.backward()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"precision": "int8"}, "unknown precision"),
+    ({"micro_batches": 0}, "micro_batches"),
+    ({"clip": -1.0}, "clip"),
+    ({"optimizer": "lion"}, "unknown optimizer"),
+    ({"optimizer": dict}, "torch.optim.Optimizer class"),
+    ({"optimizer": "adamw", "optimizer_kwargs": {"lr": 1.0}}, "optimizer class"),
+    ({"precision": "bf16", "scaler": True}, "GradScaler goes with fp16"),
+    ({"fn": lambda m, b: 0, "loss_fn": lambda o, b: 0}, "give the loss once"),
+])
+def test_a_bad_step_is_one_clear_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        rematlab.Step(**kwargs)
+
+
+def test_the_step_is_said_once():
+    model, batch = MODELS["gpt2"]()
+    with pytest.raises(ConfigError, match="say the step once"):
+        rematlab.prepare(model, batch, optimizer="adam", step=rematlab.Step())
