@@ -12,7 +12,7 @@ import rematlab
 PACKAGE = Path(rematlab.__file__).parent
 # Bottom to top; a module may import its own layer and the ones before it.
 LAYERS = ("exceptions", "version", "core", "plans", "preflight", "remat", "measurement",
-          "planning", "gradients", "study", "cli", "__init__")
+          "planning", "integrations", "gradients", "study", "cli", "__init__")
 MAX_LINES = 400
 
 

@@ -27,6 +27,7 @@ HF's `TrainingArguments` describe the same loop):
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,8 @@ StepFn = Callable[[nn.Module, Batch], torch.Tensor]  # fn(model, batch) -> loss
 PRECISIONS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
               "fp16": torch.float16, "float16": torch.float16, "16-mixed": torch.float16,
               "16": torch.float16}
-FULL = ("fp32", "float32", "32", "32-true", "no", "none")  # no autocast
+FULL = ("fp32", "float32", "32", "32-true", "no", "none",  # no autocast (weights in their
+        "bf16-true", "16-true", "64-true")  # own dtype: Lightning "-true" precisions)
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,14 @@ def as_step(step: Step | None = None, optimizer: Any = "momentum",
         raise ConfigError("say the step once: optimizer= and loss_fn= belong inside "
                           "step=Step(...)")
     return step
+
+
+def optimizer_spec(optimizer: torch.optim.Optimizer) -> tuple[type, dict]:
+    """The class and keywords that make an optimizer like `optimizer` (its `defaults`, less
+    those its constructor does not take: torch's AdamW records `decoupled_weight_decay`)."""
+    cls = type(optimizer)
+    takes = inspect.signature(cls.__init__).parameters
+    return cls, {k: v for k, v in optimizer.defaults.items() if k in takes}
 
 
 def _device_of(model: Callable, batch: Batch) -> torch.device:

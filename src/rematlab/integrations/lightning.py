@@ -1,0 +1,71 @@
+"""Lightning: a `Callback` that plans the LightningModule's model for the step the Trainer
+runs, on the first training batch, and installs the plan in place.
+
+What is read: `trainer.precision` (`"bf16-mixed"`, `"16-mixed"` with a GradScaler, `"32-true"`,
+...), `accumulate_grad_batches` (micro-batches), `gradient_clip_val` (clipping by norm), the
+class and defaults of the optimizer `configure_optimizers` made, and the first batch. The
+plan is made for the module's `attr` (default `"model"`, where a LightningModule usually
+keeps its network), with that network's own loss (`out.loss`) or `loss_fn(out, batch)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rematlab.core.recipe import Step, optimizer_spec
+from rematlab.core.steps import LossFn
+from rematlab.exceptions import ConfigError
+from rematlab.planning.planner import prepare
+from rematlab.plans.plan import Plan
+from rematlab.remat.strategies import apply
+
+
+def _callback_base() -> type:
+    try:
+        from lightning.pytorch.callbacks import Callback
+    except ImportError as exc:  # pragma: no cover - CI installs it
+        raise ConfigError("rematlab's Lightning callback needs lightning: pip install "
+                          "lightning") from exc
+    return Callback
+
+
+def trainer_step(trainer: Any, loss_fn: LossFn | None = None) -> Step:
+    """The `Step` a Lightning `trainer` runs (module docstring)."""
+    optimizers = trainer.optimizers
+    if len(optimizers) > 1:
+        raise ConfigError("rematlab plans steps with one optimizer; this module has "
+                          f"{len(optimizers)}")
+    opt = optimizers[0] if optimizers else None
+    clip = trainer.gradient_clip_val
+    if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+        raise ConfigError("rematlab prices clipping by norm (gradient_clip_algorithm='norm')")
+    cls, kwargs = optimizer_spec(opt) if opt is not None else (None, {})
+    return Step(precision=str(trainer.precision), micro_batches=trainer.accumulate_grad_batches,
+                clip=float(clip) if clip else None, optimizer=cls, optimizer_kwargs=kwargs,
+                loss_fn=loss_fn)
+
+
+def RematCallback(budget: str | int = "auto", attr: str = "model",
+                  loss_fn: LossFn | None = None, **kwargs: Any) -> Any:
+    """A Lightning callback planning `pl_module.<attr>` within `budget` on the first
+    training batch (other keywords are `rematlab.prepare`'s); the plan is `callback.plan`."""
+    base = _callback_base()
+
+    class _Remat(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.plan: Plan | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            if self.plan is not None:
+                return
+            model = getattr(pl_module, attr, None)
+            if model is None:
+                raise ConfigError(f"{type(pl_module).__name__} has no network at .{attr}: "
+                                  "name it with RematCallback(attr=...)")
+            step = trainer_step(trainer, loss_fn)
+            self.plan = prepare(model, batch, step=step, **kwargs).choose(budget)
+            setattr(pl_module, attr, apply(model, self.plan, example_input=batch))
+
+    return _Remat()
