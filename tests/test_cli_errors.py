@@ -67,6 +67,18 @@ CASES = [
     # plan
     ("plan", ["--model", "mlp3", "--budget", "1e999"], "memory size"),
     ("plan", ["--model", "mlp3", "--budget", "1KiB"], "infeasible"),
+    # the user's step (issue 36)
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--precision", "int8"],
+     "unknown precision"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--micro-batches", "0"], "micro_batches"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--clip", "-1"], "clip"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--clip", "nan"], "clip"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--step-fn", "nomodule:fn"],
+     "step function"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--step-fn", "raises:model"],
+     "the step function fails"),
+    ("max-batch", ["--model", "mlp3", "--budget", "1GiB", "--precision", "fp8"],
+     "unknown precision"),
     pytest.param("plan", ["--model", "mlp3", "--budget", "1GiB", "--device", "cuda"], "cuda",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
     ("plan", ["--model", "mlp3", "--budget", "1GiB", "--compile", "--predict"], "--compile"),

@@ -165,3 +165,51 @@ def test_the_step_is_said_once():
     model, batch = MODELS["gpt2"]()
     with pytest.raises(ConfigError, match="say the step once"):
         rematlab.prepare(model, batch, optimizer="adam", step=rematlab.Step())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pre_flight_prices_the_users_step_as_a_real_run_does(precision):
+    """Fake-tensor costs of the autocast step (a GradScaler's optimizer phase included) have
+    the bytes of the measured profile, its cast weights among them."""
+    from rematlab.preflight.targets import resolve_target
+    from rematlab.remat.layer_costs import profile_layers
+    from rematlab.remat.structure import structure
+    from tests.test_preflight import BYTES, PLAIN_CPU
+
+    model, batch = gpt2(batch=2, seq=16, layers=2)
+    model.train()
+    layers = structure(model, batch).blocks
+    step = rematlab.Step(precision=precision, micro_batches=2, clip=1.0,
+                         optimizer=torch.optim.AdamW)
+    real = profile_layers(model, batch, layers, step=step, repeats=1)
+    fake = profile_layers(model, batch, layers, step=step, target=resolve_target(PLAIN_CPU))
+    for key in BYTES:  # equal bytes; transient peaks: the real run's kernels' scratch on top
+        if key not in ("fwd_mem", "bwd_mem"):
+            assert getattr(fake, key) == getattr(real, key), key
+    for key in ("fwd_mem", "bwd_mem"):  # low-precision CPU matmuls allocate scratch (oneDNN)
+        for r, f in zip(getattr(real, key), getattr(fake, key), strict=True):
+            assert r >= f - 256, key  # which only the allocator sees
+    assert real.cast == fake.cast and all(c > 0 for c in real.cast[1:-1])
+    assert fake.grads_resident
+    fp32 = profile_layers(model, batch, layers, optimizer="adamw", repeats=1)
+    assert sum(real.saved) < sum(fp32.saved)  # autocast saves low-precision tensors
+    assert not fp32.cast
+
+
+def test_max_batch_and_auto_take_the_users_step():
+    torch.manual_seed(0)
+    model, batch = MODELS["gpt2"]()
+    model.train()
+    step = rematlab.Step(precision="bf16", micro_batches=2)
+    budget = 12 * 2**20
+    found = rematlab.max_batch(model, batch, budget, step=step, repeats=1, limit=16)
+    for fit in found.fits:
+        assert fit.peak <= budget and fit.batch >= 1
+    remat = rematlab.auto(model, budget, step=step)
+    for _ in range(2):
+        for _ in range(step.micro_batches):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = remat(**batch).loss / step.micro_batches
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert len(remat.events) == 1 and remat.events[0].peak <= budget

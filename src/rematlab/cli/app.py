@@ -64,6 +64,19 @@ Example = Annotated[str | None, typer.Option(
          "attention_mask, labels); modules resolve from the current directory")]
 Optimizer = Annotated[str, typer.Option(
     help="sgd, momentum, adam, adamw, mixed-adamw (AdamW state in fp32), none")]
+Precision = Annotated[str, typer.Option(
+    help="the step's autocast: fp32 (none), bf16, or fp16 (with a GradScaler), as the user's "
+         "trainer runs it (HF bf16=True, Lightning bf16-mixed)")]
+MicroBatches = Annotated[int, typer.Option(
+    help="forwards per optimizer step (gradient accumulation): every gradient stays alive")]
+Clip = Annotated[float | None, typer.Option(help="clip_grad_norm_ to this norm before the "
+                                                 "optimizer step")]
+GradsToZero = Annotated[bool, typer.Option(
+    "--grads-to-zero", help="the loop calls zero_grad(set_to_none=False): gradients are "
+    "alive (zeros) before the forward")]
+StepFn = Annotated[str | None, typer.Option(
+    help="the user's own step module:fn, fn(model, batch) -> loss, run under autocast as "
+         "the loop runs it (it replaces the default loss)")]
 Target = Annotated[str | None, typer.Option(
     help="with --predict: the device planned for: cpu (this machine, calibrated), cuda (the "
          "GPU here), a100-80gb, h100-80gb, h200, rtx4090, mi300x, or a profile.json")]
@@ -72,6 +85,18 @@ Lora = Annotated[int | None, typer.Option(
     help="freeze the model and train LoRA adapters of this rank (peft when installed)")]
 Blocks = Annotated[str | None, typer.Option(
     help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
+
+
+def _step(optimizer: str, precision: str, micro_batches: int, clip: float | None,
+          grads_to_zero: bool, step_fn: str | None) -> Any:
+    """The user's training step from the command line's options (`rematlab.Step`)."""
+    from rematlab.core.checks import load_object
+    from rematlab.core.recipe import Step
+
+    return Step(precision=precision, micro_batches=micro_batches, clip=clip,
+                optimizer=None if optimizer == "none" else optimizer,
+                set_to_none=not grads_to_zero,
+                fn=load_object(step_fn, "step function") if step_fn else None)
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:

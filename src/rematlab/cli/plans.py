@@ -13,17 +13,23 @@ from rich.table import Table
 from rematlab.cli.app import (
     Blocks,
     Budget,
+    Clip,
     Example,
+    GradsToZero,
     InputDtype,
     InputScale,
     InputShape,
     Lora,
+    MicroBatches,
     Optimizer,
+    Precision,
+    StepFn,
     Target,
     Vocab,
     WeightDtype,
     _print_json,
     _shape,
+    _step,
     app,
     console,
     handles_errors,
@@ -111,6 +117,11 @@ def plan_cmd(
     blocks: Blocks = None,
     device: str = "cpu",
     optimizer: Optimizer = "momentum",
+    precision: Precision = "fp32",
+    micro_batches: MicroBatches = 1,
+    clip: Clip = None,
+    grads_to_zero: GradsToZero = False,
+    step_fn: StepFn = None,
     dtype: WeightDtype = "float32",
     lora: Lora = None,
     predict: Annotated[bool, typer.Option(
@@ -139,9 +150,9 @@ def plan_cmd(
         raise ConfigError("--out writes one plan: give one --budget")
     net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
                                       device, dtype, lora, predict)
-    planning = prepare(net, batches(batch), optimizer=None if optimizer == "none" else optimizer,
-                       blocks=blocks or None, predict=predict, target=target,
-                       compile=compile, ops=ops)
+    step = _step(optimizer, precision, micro_batches, clip, grads_to_zero, step_fn)
+    planning = prepare(net, batches(batch), step=step, blocks=blocks or None, predict=predict,
+                       target=target, compile=compile, ops=ops)
     summaries = [_plan_summary(planning, b) for b in wanted]
     if out is not None:
         write_text(out, json.dumps(summaries[0]["plan_json"]))
@@ -224,7 +235,7 @@ def _plan_summary(planning: Any, budget: str) -> dict:
     rows = planning.baselines(derived.nbytes)
     return {"plan": chosen.describe(), "structure": planning.structure.describe(),
             "budget": derived.nbytes, "budget_source": derived.how,
-            "predicted_peak": chosen.predicted_peak,
+            "step": planning.step.describe(), "predicted_peak": chosen.predicted_peak,
             "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
             "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0]["time"]),
             "overhead_interval": (list(planning.overhead_interval(chosen))
@@ -237,7 +248,7 @@ def _print_plan(summary: dict, budget: str | None) -> None:
     limit, rows = summary["budget"], summary["baselines"]
     if budget is not None and is_auto(budget):
         console.print(f"budget {format_bytes(limit)}: {summary['budget_source']}")
-    console.print(f"plan: {summary['plan']}")
+    console.print(f"plan: {summary['plan']}  (for the step: {summary['step']})")
     console.print(f"predicted peak {format_bytes(summary['predicted_peak'] or 0)}"
                   + (f", measured {format_bytes(summary['measured_peak'])}"
                      if summary["measured_peak"] else "")
@@ -284,6 +295,11 @@ def max_batch_cmd(
     blocks: Blocks = None,
     device: str = "cpu",
     optimizer: Optimizer = "momentum",
+    precision: Precision = "fp32",
+    micro_batches: MicroBatches = 1,
+    clip: Clip = None,
+    grads_to_zero: GradsToZero = False,
+    step_fn: StepFn = None,
     dtype: WeightDtype = "float32",
     lora: Lora = None,
     predict: Annotated[bool, typer.Option(
@@ -306,8 +322,8 @@ def max_batch_cmd(
         raise ConfigError("--target is for searches made without running: add --predict")
     net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
                                       device, dtype, lora, predict)
-    found = max_batch(net, batches, budget, start=batch, limit=limit,
-                      optimizer=None if optimizer == "none" else optimizer,
+    step = _step(optimizer, precision, micro_batches, clip, grads_to_zero, step_fn)
+    found = max_batch(net, batches, budget, start=batch, limit=limit, step=step,
                       blocks=blocks or None, repeats=repeats, predict=predict, target=target)
     if as_json:
         _print_json(found.to_dict())

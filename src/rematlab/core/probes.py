@@ -155,13 +155,15 @@ class LiveTensorTracker(TorchDispatchMode):
 
 
 class CastRecorder(TorchDispatchMode):
-    """The bytes of the low-precision copies autocast makes of `params` while active: the
-    copies its weight cache keeps until the autocast region ends (it caches casts of
-    trainable fp32 leaves only, `autocast_mode.cpp`'s `cached_cast`), each parameter once."""
+    """The bytes of the `dtype` copies autocast makes of `params` while active: the copies
+    its weight cache keeps until the autocast region ends (it caches casts of trainable fp32
+    leaves only, `autocast_mode.cpp`'s `cached_cast`), each parameter once. Autocast reads
+    as disabled below it, where dispatch modes run, so the region's dtype is given."""
 
-    def __init__(self, params: Iterable[torch.Tensor], unit: int = 1) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype, unit: int = 1
+                 ) -> None:
         super().__init__()
-        self.unit = unit
+        self.unit, self.dtype = unit, dtype
         self._params = {id(p): p for p in params
                         if p.requires_grad and p.dtype == torch.float32}
         self.casts: dict[int, int] = {}
@@ -173,8 +175,7 @@ class CastRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and args and id(args[0]) in self._params \
-                and isinstance(out, torch.Tensor) and out.dtype != torch.float32 \
-                and torch.is_autocast_enabled(args[0].device.type):
+                and isinstance(out, torch.Tensor) and out.dtype == self.dtype:
             self.casts.setdefault(id(args[0]),
                                   rounded(out.untyped_storage().nbytes(), self.unit))
         return out

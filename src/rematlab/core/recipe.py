@@ -38,7 +38,7 @@ from torch import nn
 from rematlab.core.batch import Batch, tensors
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
 from rematlab.core.probes import Clock
-from rematlab.core.steps import PHASES, LossFn, forward
+from rematlab.core.steps import PHASES, LossFn, forward, is_oom
 from rematlab.exceptions import ConfigError
 
 StepFn = Callable[[nn.Module, Batch], torch.Tensor]  # fn(model, batch) -> loss
@@ -131,12 +131,14 @@ class Step:
     def in_region(self, fn: Callable, device: torch.device) -> Callable:
         """`fn` run inside the step's autocast region (`fn` itself for full precision): how
         a block or layer is profiled, its backward left outside the region."""
-        if self.autocast is None:
+        dtype = self.autocast
+        if dtype is None:
             return fn
 
         def run(*args: Any, **kwargs: Any) -> Any:
             with self.autocast_region(device):
                 return fn(*args, **kwargs)
+        run.autocast_dtype = dtype  # what a profile's `CastRecorder` looks for
         return run
 
     def forward(self, model: Callable, batch: Batch) -> tuple[Any, torch.Tensor]:
@@ -145,7 +147,14 @@ class Step:
         device = _device_of(model, batch)
         with self.autocast_region(device):
             if self.fn is not None:
-                loss = self.fn(model, batch)
+                try:
+                    loss = self.fn(model, batch)
+                except Exception as exc:  # the user's code: bad input, unless memory ran out
+                    if is_oom(exc):
+                        raise
+                    raise ConfigError(f"the step function fails: {type(exc).__name__}: "
+                                      f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                                      ) from exc
                 if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                     raise ConfigError("the step function must return the loss, a scalar "
                                       f"tensor (got {type(loss).__name__})")
@@ -247,6 +256,19 @@ class Step:
 
     def make_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(device.type) if self.scaled else None
+
+    def describe(self) -> str:
+        """One line for people: `bf16 autocast, 4 micro-batches, clip 1.0, AdamW`."""
+        d = self.to_dict()
+        parts = [f"{d['precision']} autocast" + (" + GradScaler" if d["scaler"] else "")
+                 if self.autocast else "fp32",
+                 f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}"]
+        parts += [f"clip {self.clip:g}"] if self.clip is not None else []
+        parts.append(str(d["optimizer"]).rsplit(".", 1)[-1] if self.optimizer else
+                     "no optimizer")
+        parts += ["gradients zeroed, not freed"] if not self.set_to_none else []
+        parts += ["the user's step function"] if self.fn is not None else []
+        return ", ".join(parts)
 
     def to_dict(self) -> dict:
         """What a plan records of the step it was made for (JSON-ready)."""

@@ -160,7 +160,8 @@ class Planning:
                 for p in self.solution.frontier]
 
     def _named(self, chosen: Plan, name: str, limit: int | None) -> Plan:
-        return replace(chosen, name=name, budget=limit, compiled=self.compile)
+        return replace(chosen, name=name, budget=limit, compiled=self.compile,
+                       step=self.step.to_dict())
 
     def _measure_cached(self, chosen: Plan) -> int:
         key = chosen.describe()

@@ -175,6 +175,7 @@ class Plan:
     min_peak: int | None = None
     measured_peak: int | None = None
     compiled: bool = False  # costs and peak are for running it under torch.compile
+    step: dict | None = None  # the user's step it was made for (`rematlab.Step.to_dict`)
 
     def __post_init__(self) -> None:
         validate_items(self.items, 0, self.n_blocks)
@@ -200,6 +201,7 @@ class Plan:
                 "min_peak": self.min_peak,
                 "measured_peak": self.measured_peak,
                 "compiled": self.compiled,
+                "step": self.step,
             },
             indent=2,
         )
@@ -224,6 +226,7 @@ class Plan:
                 min_peak=data.get("min_peak"),
                 measured_peak=data.get("measured_peak"),
                 compiled=bool(data.get("compiled", False)),
+                step=data.get("step") if isinstance(data.get("step"), dict) else None,
             )
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError,
                 json.JSONDecodeError) as exc:

@@ -266,7 +266,9 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
     bwd_mem = 0
     marks: list[int] = []  # the forward's running peak each time autograd saves a tensor
-    casts = CastRecorder(block.parameters(), unit)  # autocast's weight cache (`Step`)
+    region = getattr(run, "autocast_dtype", None)  # `Step.in_region`: autocast's dtype
+    casts = (CastRecorder(block.parameters(), region, unit) if region and not compile
+             else None)  # the weight copies autocast caches
 
     def pack_marked(t: torch.Tensor) -> torch.Tensor:
         marks.append(tracker.peak)
@@ -277,7 +279,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         with phase("forward"), scratch(), counting, \
                 flops if not compile else contextlib.nullcontext(), \
                 torch.autograd.graph.saved_tensors_hooks(pack_marked, lambda t: t), priced(0), \
-                casts if not compile else contextlib.nullcontext():
+                casts or contextlib.nullcontext():
             out = run(x_in)
         fwd_mem = tracker.peak - before
         # a recomputation stops once the last saved tensor is made again (torch's early
@@ -322,7 +324,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         "fwd_time": fwd_time,
         "bwd_time": bwd_time,
         "fwd_flops": float(flops.get_total_flops()),
-        "cast": casts.nbytes,
+        "cast": casts.nbytes if casts else 0,
         "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
         "out": nxt,
     }
