@@ -436,3 +436,34 @@ def test_waiting_for_quiet_is_bounded_per_configuration_and_per_sweep(tmp_path, 
     assert result.untrusted == 3 and result.remeasured == 0 and result.outcomes["ok"] == 3
     assert load(db, "sweeps")["waited_s"].iloc[-1] == pytest.approx(24.0)
     assert set(load(db)["waited_s"]) == {8.0}
+
+
+def test_a_precision_axis_measures_the_autocast_step_and_keeps_old_identities(tmp_path):
+    """`precisions` in a grid: each configuration's step runs under its autocast (`Spec.
+    precision`); a fp32 configuration keeps the identity it had before the field existed;
+    rows from before it read as fp32."""
+    from rematlab.measurement.spec import Spec
+    from rematlab.study.store import config_id
+
+    grid = load_grid(_grid(tmp_path, body='name = "p"\nbatches = [16]\nrepeats = 2\n'
+                                            'precisions = ["fp32", "bf16"]\n'
+                                            '[[models]]\nname = "mlp3"\n'))
+    fp32, bf16 = grid.expand()
+    assert (fp32.precision, bf16.precision) == (None, "bf16")
+    assert "precision" not in fp32.to_dict()
+    assert config_id(fp32.to_dict()) == config_id(Spec(model="mlp3", batch=16, repeats=2,
+                                                       input="mnist").to_dict())
+    db = tmp_path / "p.duckdb"
+    result = sweep(grid, db)
+    assert result.outcomes["ok"] == 2
+    summary = load(db, "config_summary").set_index("cfg_precision")
+    assert sorted(summary.index) == ["bf16", "fp32"]
+    # mlp3's weights dominate: under autocast their bf16 copies add to the step's peak
+    assert summary.loc["bf16", "peak_bytes_median"] != summary.loc["fp32", "peak_bytes_median"]
+    assert load(db)["cfg_precision"].isna().sum() == 2  # fp32 rows store no precision
+
+
+def test_a_bad_precision_in_a_grid_names_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="precision"):
+        load_grid(_grid(tmp_path, body='batches = [4]\nprecisions = ["int8"]\n'
+                                        '[[models]]\nname = "mlp3"\n'))

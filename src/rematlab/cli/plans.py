@@ -56,6 +56,8 @@ def measure(
     device: str = "cpu",
     dtype: str = "float32",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam")] = "momentum",
+    precision: Annotated[str, typer.Option(
+        help="fp32, bf16 or fp16: the step's autocast (fp16 with a GradScaler)")] = "fp32",
     warmup: int = 2,
     repeats: int = 5,
     max_memory: Annotated[str | None, typer.Option(help="cap, e.g. 512MiB: above it, oom")] = None,
@@ -71,7 +73,7 @@ def measure(
                 optimizer=optimizer, warmup=warmup, repeats=repeats, threads=threads,
                 max_memory=parse_bytes(max_memory) if max_memory else None, example=example,
                 input_dtype=None if input_dtype == "float32" else input_dtype, vocab=vocab,
-                blocks=blocks)
+                blocks=blocks, precision=None if precision == "fp32" else precision)
     obs = run(spec)
     summary = obs.summary()
     if as_json:

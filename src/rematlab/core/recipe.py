@@ -191,19 +191,24 @@ class Step:
 
     def train_step(self, model: nn.Module, batch: Batch, run: Callable | None = None,
                    optimizer: torch.optim.Optimizer | None = None,
-                   clock: Clock | None = None) -> dict[str, float]:
+                   clock: Clock | None = None,
+                   around: Callable[[str], contextlib.AbstractContextManager] | None = None
+                   ) -> dict[str, float]:
         """The whole optimizer step of `run` (default: `model`) as the user's loop runs it,
         timed: gradients zeroed as the loop does, every micro-batch in the autocast region
         with its loss divided and scaled, backward, then unscaling, clipping and the
-        optimizer's step (a GradScaler's update included). With `clock`, each phase's
-        seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s."""
+        optimizer's step (a GradScaler's update included), the last micro-batch's output
+        alive until the step ends (`steps.train_step`'s rule). With `clock`, each phase's
+        seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s;
+        `around(phase)` wraps each phase in a context (a memory probe's phase marker)."""
         run = run if run is not None else model
         times = dict.fromkeys(PHASES, 0.0)
 
         def timed(name: str, work: Callable[[], Any]) -> Any:
             if clock is not None:
                 clock.start()
-            result = work()
+            with around(name) if around else contextlib.nullcontext():
+                result = work()
             if clock is not None:
                 times[name] += clock.stop()
             return result
@@ -211,16 +216,19 @@ class Step:
         scaler = (self.make_scaler(_device_of(model, batch)) if optimizer is not None
                   else None)
         (optimizer or model).zero_grad(set_to_none=self.set_to_none)
+        out = None
         for _ in range(self.micro_batches):
+            del out  # the previous micro-batch's output, before the next forward
             out, loss = timed("forward", lambda: self.forward(run, batch))
             if self.micro_batches > 1:
                 loss = loss / self.micro_batches
             if scaler is not None:
                 loss = scaler.scale(loss)
             timed("backward", loss.backward)
-            del out, loss
+            del loss
         if optimizer is not None:
             timed("optimizer", lambda: self.update(model.parameters(), optimizer, scaler))
+        del out
         times["step"] = sum(times[p] for p in PHASES)
         return times
 

@@ -47,7 +47,8 @@ from rematlab.core.probes import (
     peak_of,
     storage_key,
 )
-from rematlab.core.steps import is_oom, runs_on, train_step
+from rematlab.core.recipe import Step
+from rematlab.core.steps import is_oom, runs_on
 from rematlab.core.timer import MIN_REPEAT_SECONDS, Timer
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.measurement import zoo
@@ -77,6 +78,7 @@ class _Setup:
         # which the step's clock is timing at the same moment
         self.remat.recompute.clock = copy.copy(clock)
         self.opt = make_optimizer(spec.optimizer, self.model.parameters())
+        self.step = Step(precision=spec.precision, optimizer=spec.optimizer)
 
     def persistent(self) -> list[torch.Tensor]:
         state = [t for s in self.opt.state.values() for t in s.values()
@@ -85,11 +87,12 @@ class _Setup:
 
 
 def _step(s: _Setup, clock: Clock, around: PhaseMarker | None = None) -> dict[str, float]:
-    """One training step (`core.steps.train_step`) with its recomputation's seconds, which
+    """One training step as the configuration's `Step` runs it (`Step.train_step`: autocast
+    and a GradScaler where its precision says so) with its recomputation's seconds, which
     the plan's runner times inside backward."""
     s.remat.recompute.seconds = 0.0
-    times = train_step(s.model, s.batch, run=s.run, optimizer=s.opt, clock=clock,
-                       around=around)
+    times = s.step.train_step(s.model, s.batch, run=s.run, optimizer=s.opt, clock=clock,
+                              around=around)
     times["recompute"] = s.remat.recompute.seconds
     return times
 

@@ -53,6 +53,8 @@ class Spec:
     input_dtype: str | None = None  # e.g. int64: token ids below `vocab`
     vocab: int | None = None
     blocks: str | None = None  # e.g. transformer.h
+    # the user's step (`rematlab.Step`): autocast around forward and loss, None: fp32
+    precision: str | None = None  # bf16, or fp16 with a GradScaler
 
     def validate(self) -> Spec:
         """Check every field; return the spec with the zoo's default input filled in."""
@@ -69,6 +71,9 @@ class Spec:
                               f"{sorted(FLOAT_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}; choose one of "
+                              f"{', '.join(PRECISIONS)} (or leave it out: fp32)")
         if self.max_memory is not None and not 0 < self.max_memory <= INT64_MAX:
             raise ConfigError(f"max_memory must be positive (bytes), got {self.max_memory}")
         strat = strategies.parse(self.strategy)
@@ -91,11 +96,12 @@ class Spec:
         return self
 
     def to_dict(self) -> dict:
-        """Every field; the user-model fields only when set, so that the identity (hash) of
-        a zoo configuration stays what it was before they existed."""
+        """Every field; the optional ones (a user model's, the step's precision) only when
+        set, so that the identity (hash) of a configuration stays what it was before they
+        existed."""
         d = asdict(self)
         d["input_shape"] = list(self.input_shape) if self.input_shape else None
-        for key in _USER_FIELDS:
+        for key in _OPTIONAL_FIELDS:
             if d[key] is None:
                 del d[key]
         return d
@@ -108,7 +114,8 @@ class Spec:
         return cls(**d)
 
 
-_USER_FIELDS = ("example", "input_dtype", "vocab", "blocks")
+_OPTIONAL_FIELDS = ("example", "input_dtype", "vocab", "blocks", "precision")
+PRECISIONS = ("bf16", "fp16")  # a configuration's autocast; fp32 is the default, no field
 
 
 @dataclass

@@ -15,13 +15,13 @@ from rematlab.core.batch import DTYPES
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
 from rematlab.measurement.hardware import device_peaks
-from rematlab.measurement.spec import Spec
+from rematlab.measurement.spec import PRECISIONS, Spec
 from rematlab.remat import strategies
 from rematlab.study.store import trusted_only
 
 _log = logging.getLogger("rematlab")
 CONFIG_NUMERIC = ["batch", "n_segments", "strategy_arg"]
-CONFIG_CATEGORICAL = ["model", "strategy_kind", "dtype", "device", "optimizer"]
+CONFIG_CATEGORICAL = ["model", "strategy_kind", "dtype", "device", "optimizer", "precision"]
 ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_largest_segment",
             "log_fwd_flops", "log_recompute_flops", "log_analytic_peak", "log_batch",
             "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
@@ -89,7 +89,7 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
     return {
         "model": spec.model, "strategy_kind": strat.kind, "dtype": spec.dtype,
         "device": device_name or spec.device, "optimizer": spec.optimizer,
-        "batch": spec.batch, "n_segments": len(segments),
+        "precision": spec.precision or "fp32", "batch": spec.batch, "n_segments": len(segments),
         "strategy_arg": float(strat.arg or 0.0),
         "log_param_bytes": math.log1p(max(param_bytes, 0)),
         "log_state_bytes": math.log1p(costs.state),
@@ -142,7 +142,9 @@ def dataset(summary: pd.DataFrame, untrusted: bool = False) -> pd.DataFrame:
         spec = Spec(model=r["cfg_model"], batch=int(r["cfg_batch"]), strategy=r["cfg_strategy"],
                     input=r["cfg_input"] if isinstance(r["cfg_input"], str) else None,
                     input_shape=shape, device=r["cfg_device"], dtype=r["cfg_dtype"],
-                    optimizer=r["cfg_optimizer"])
+                    optimizer=r["cfg_optimizer"],
+                    precision=r["cfg_precision"] if r.get("cfg_precision") in PRECISIONS
+                    else None)
         f = features(spec, device_name=r.get("device_name"))
         f.update({"time": float(r["step_s_median"]), "memory": float(r["peak_bytes_median"]),
                   "device_key": f"{r.get('vendor')}:{r.get('device_name')}"})

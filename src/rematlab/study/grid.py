@@ -34,6 +34,7 @@ from rematlab.measurement.spec import (
     INT64_MAX,
     MAX_REPEATS,
     MAX_THREADS,
+    PRECISIONS,
     Spec,
     parse_device,
 )
@@ -102,6 +103,8 @@ class Grid(BaseModel):
     dtypes: list[str] = Field(default_factory=lambda: ["float32"], min_length=1)
     devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
     optimizers: list[str] = Field(default_factory=lambda: ["momentum"], min_length=1)
+    # the step's autocast (`rematlab.Step`): fp32, bf16, fp16 (with a GradScaler)
+    precisions: list[str] = Field(default_factory=lambda: ["fp32"], min_length=1)
     warmup: int = Field(default=2, ge=2, le=MAX_REPEATS)
     repeats: int = Field(default=5, ge=1, le=MAX_REPEATS)
     timeout: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)
@@ -113,7 +116,7 @@ class Grid(BaseModel):
     max_wait_total_s: float = Field(default=MAX_WAIT_TOTAL_S, ge=0, le=MAX_TIMEOUT,
                                     allow_inf_nan=False)
 
-    @field_validator("batches", "strategies", "dtypes", "devices", "optimizers")
+    @field_validator("batches", "strategies", "dtypes", "devices", "optimizers", "precisions")
     @classmethod
     def _distinct(cls, v: list, info: ValidationInfo) -> list:
         return _unique(v, info.field_name)
@@ -149,6 +152,11 @@ class Grid(BaseModel):
     def _optimizers(cls, v: list[str]) -> list[str]:
         return _one_of(v, list(OPTIMIZERS), "optimizer")
 
+    @field_validator("precisions")
+    @classmethod
+    def _precisions(cls, v: list[str]) -> list[str]:
+        return _one_of(v, ["fp32", *PRECISIONS], "precision")
+
     @field_validator("max_memory")
     @classmethod
     def _memory(cls, v: str | int | None) -> str | int | None:
@@ -159,7 +167,7 @@ class Grid(BaseModel):
     def size(self) -> int:
         """How many configurations the grid expands to, without expanding it."""
         per_model = len(self.strategies) * len(self.dtypes) * len(self.devices) * len(
-            self.optimizers)
+            self.optimizers) * len(self.precisions)
         return sum(len(m.inputs or [None]) * len(m.batches or self.batches) * per_model
                    for m in self.models)
 
@@ -176,14 +184,15 @@ class Grid(BaseModel):
             inputs: list[str | None] = list(entry.inputs or ([info.default_scale] if info
                                                                else [None]))
             shape = tuple(entry.input_shape) if entry.input_shape else None
-            for inp, batch, dtype, device, opt, strat in itertools.product(
+            for inp, batch, dtype, device, opt, prec, strat in itertools.product(
                 inputs, entry.batches or self.batches, self.dtypes, self.devices,
-                self.optimizers, self.strategies,
+                self.optimizers, self.precisions, self.strategies,
             ):
                 specs.append(Spec(model=entry.name, batch=batch, strategy=strat, input=inp,
                                   input_shape=shape, device=device, dtype=dtype, optimizer=opt,
                                   warmup=self.warmup, repeats=self.repeats, max_memory=cap,
-                                  threads=self.threads))
+                                  threads=self.threads,
+                                  precision=None if prec == "fp32" else prec))
         for spec in specs:
             spec.validate()
         return specs

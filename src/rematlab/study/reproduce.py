@@ -246,6 +246,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     the floor and the unconstrained peak (with op-level options where `plan_ops`, as
     `prepare(ops=True)`), verified, then measured as a training step; beside each, the best
     uniform count that fits the same budget (simulated)."""
+    from rematlab.core.recipe import Step
     from rematlab.measurement import zoo
     from rematlab.measurement.measure import measure
     from rematlab.measurement.spec import Spec
@@ -263,14 +264,16 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         largest[key] = max(largest.get(key, 0), s.batch)
     seen = set()
     for spec in specs:
-        if spec.model not in zoo.REGISTRY or (spec.model, spec.input) in seen:
+        if spec.model not in zoo.REGISTRY or (spec.model, spec.input, spec.precision) in seen:
             continue
-        seen.add((spec.model, spec.input))
+        seen.add((spec.model, spec.input, spec.precision))
         batch = largest[(spec.model, spec.input)]
         net, shape, _ = zoo.resolve(spec.model, spec.input)
         net = net.to(device).train()
         x = torch.randn(batch, *shape, device=device)
-        planning = prepare(net, x, optimizer=spec.optimizer, ops=settings.plan_ops)
+        # the configuration's own step: its optimizer, its autocast
+        step = Step(precision=spec.precision, optimizer=spec.optimizer)
+        planning = prepare(net, x, step=step, ops=settings.plan_ops)
         costs, floor = planning.costs, planning.measured_floor()  # what choose accepts
         full, full_time = simulate(none_plan(costs.n), costs)
         full = max(full, floor)
@@ -278,16 +281,18 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
                    for f in settings.plan_fractions}  # one budget when floor == full
         for budget, frac in budgets.items():
             chosen = planning.choose(budget)
-            path = out / "plans" / f"{spec.model}-{spec.input}-b{batch}-{frac:g}.json"
+            precision = f"-{spec.precision}" if spec.precision else ""
+            path = out / "plans" / f"{spec.model}-{spec.input}{precision}-b{batch}-{frac:g}.json"
             write_text(path, chosen.to_json())
             obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,
                                strategy=f"plan:{path}", device=str(device), repeats=3,
-                               optimizer=spec.optimizer))
+                               optimizer=spec.optimizer, precision=spec.precision))
             say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: "
                 f"{chosen.describe()}")
             uniform = next((r for r in planning.baselines(budget)
                             if r["strategy"].startswith("uniform")), None)
             rows.append({"model": spec.model, "input": spec.input, "batch": batch,
+                         "precision": spec.precision or "fp32",
                          "budget": budget, "floor": floor, "plan": chosen.describe(),
                          "predicted_peak": chosen.predicted_peak,
                          "measured_peak": obs.peak if obs.outcome == "ok" else None,

@@ -24,7 +24,7 @@ import pandas as pd
 from rematlab.core.files import atomic_path, refuse_overwriting_inputs
 from rematlab.exceptions import ConfigError, StoreLockedError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Column name -> DuckDB type. Order is the table's column order.
 RUN_COLUMNS: dict[str, str] = {
@@ -52,13 +52,15 @@ RUN_COLUMNS: dict[str, str] = {
     "rocm_version": "VARCHAR", "torch_version": "VARCHAR", "cpu_model": "VARCHAR",
     "threads": "INTEGER", "host": "VARCHAR", "timestamp": "VARCHAR",
     "rematlab_version": "VARCHAR",
+    "cfg_precision": "VARCHAR",
 }
 
 # the guard's evidence (schema v3): one value per configuration, on each of its rows
 GUARD_COLUMNS = ("method_guard", "calibration_s", "attempts", "calibration_drift",
                  "step_spread", "foreign_load", "trusted", "calibration_reference_s")
 _V1_COLUMNS = [k for k in RUN_COLUMNS
-               if k not in ("reserved_bytes", "steps_per_repeat", "waited_s", *GUARD_COLUMNS)]
+               if k not in ("reserved_bytes", "steps_per_repeat", "waited_s", "cfg_precision",
+                            *GUARD_COLUMNS)]
 
 _SUMMARY_FIGURES = ("step_s", "forward_s", "backward_s", "recompute_s", "optimizer_s",
                     "peak_bytes")
@@ -89,6 +91,8 @@ MIGRATIONS: dict[int, list[str]] = {
     # cost of a busy machine, bounded by the grid's max_wait_s and max_wait_total_s)
     3: ["ALTER TABLE runs ADD COLUMN waited_s DOUBLE",
         "ALTER TABLE sweeps ADD COLUMN waited_s DOUBLE"],
+    # v5: the step's autocast (`Spec.precision`); rows from before it are fp32 (NULL)
+    4: ["ALTER TABLE runs ADD COLUMN cfg_precision VARCHAR"],
 }
 
 
@@ -193,8 +197,10 @@ class Store:
             f"median({f}) AS {f}_median, quantile_cont({f}, 0.75) - quantile_cont({f}, 0.25) "
             f"AS {f}_iqr" for f in _SUMMARY_FIGURES)
         keys = ", ".join(k for k in RUN_COLUMNS if k.startswith("cfg_"))
+        # a configuration without a precision (every row before schema v5) is fp32
+        shown = keys.replace("cfg_precision", "coalesce(cfg_precision, 'fp32') AS cfg_precision")
         self.con.execute(
-            f"CREATE OR REPLACE VIEW config_summary AS SELECT config_id, {keys}, "
+            f"CREATE OR REPLACE VIEW config_summary AS SELECT config_id, {shown}, "
             f"any_value(outcome) AS outcome, any_value(error) AS error, "
             f"any_value(vendor) AS vendor, any_value(device_name) AS device_name, "
             f"any_value(saved_activation_bytes) AS saved_activation_bytes, "
