@@ -25,7 +25,11 @@ def _frame(n: int = 40) -> pd.DataFrame:
     rng = np.random.default_rng(0)
     cols = {c: rng.random(n) + 1 for c in P.ANALYTIC + P.ROOFLINE + P.CONFIG_NUMERIC}
     for c in P.CONFIG_CATEGORICAL:
-        cols[c] = rng.choice(["a", "b"], n)
+        if c != "precision":
+            cols[c] = rng.choice(["a", "b"], n)
+    # drawn apart, so that the other columns are what they were before it existed (the
+    # flat layout's predictor file predicts on them: tests/test_layout.py)
+    cols["precision"] = np.random.default_rng(1).choice(["fp32", "bf16"], n)
     cols["analytic_peak"] = rng.random(n) * 1e6 + 1e6
     cols["memory"] = cols["analytic_peak"] * (1.0 + 0.01 * rng.random(n))
     cols["time"] = 0.1 + np.asarray(cols["conv_flops_s"]) + 0.01 * rng.random(n)

@@ -301,16 +301,28 @@ def test_mixed_adamw_keeps_fp32_state_and_matches_adamw_on_fp32_weights():
                if isinstance(t, torch.Tensor)) == 12 * half.numel()
 
 
-def test_lora_trains_only_the_adapters_and_works_on_meta():
+@pytest.mark.parametrize("with_peft", [True, False])
+def test_lora_trains_only_the_adapters_and_works_on_meta(with_peft, monkeypatch):
+    """With peft installed (pinned) its adapters; without it, rematlab's own."""
+    import importlib.util
+
+    if not with_peft:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "peft" else real(name, *a))
+    adapter = (".lora_A.default.weight", ".lora_B.default.weight") if with_peft \
+        else (".a", ".b")
     model, batch = realzoo.llama(batch=2, seq=16, layers=2)
     adapted = add_lora(model, rank=4)
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
-    assert trainable and all(n.endswith((".a", ".b")) for n in trainable)
+    assert trainable and all(n.endswith(adapter) for n in trainable)
     adapted(**batch).loss.backward()
     assert all(p.grad is None for p in adapted.parameters() if not p.requires_grad)
     with torch.device("meta"):
         meta = add_lora(nn.Sequential(nn.Linear(8, 8)), 2, targets=("0",))
-    assert isinstance(meta[0], LoRALinear) and meta[0].a.device.type == "meta"
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    if not with_peft:
+        assert isinstance(meta[0], LoRALinear)
     with pytest.raises(ConfigError, match="nothing to adapt"):
         add_lora(nn.Sequential(nn.ReLU()))
 

@@ -193,3 +193,28 @@ def test_a_planned_model_deep_copies_for_a_second_trainer():
     planned = rematlab.apply(model, "every:1")
     twin = copy.deepcopy(planned)
     assert inspect.signature(twin.forward) == inspect.signature(model.forward)
+
+
+def test_peft_sees_the_same_model_before_and_after_a_plan():
+    """A PEFT model plans through its layers under the user's bf16 step and keeps the
+    budget; PEFT wraps a planned model as it wraps the plain one."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = {"r": 4, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    model, batch = gpt2(batch=4, seq=64, layers=8, width=64)
+    peft_model = get_peft_model(model.train(), LoraConfig(**lora))
+    planning = rematlab.prepare(peft_model, batch, step=rematlab.Step(precision="bf16"))
+    budget = (planning.measured_floor() + planning.full) // 2
+    chosen = planning.choose(budget)
+    planned = rematlab.apply(peft_model, chosen)
+    assert type(planned) is type(peft_model) and chosen.segments
+    assert inspect.signature(planned.forward) == inspect.signature(peft_model.forward)
+    from tests.meters import user_loop_peak
+
+    peak = user_loop_peak(planned, batch, precision="bf16", meter="live",
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+    assert peak <= budget
+    other, _ = gpt2(batch=4, seq=64, layers=2, width=64)
+    wrapped = get_peft_model(rematlab.apply(other.train(), "every:1"), LoraConfig(**lora))
+    wrapped(**batch).loss.backward()
+    assert all(p.grad is not None for n, p in wrapped.named_parameters() if "lora_" in n)

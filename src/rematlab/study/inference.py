@@ -14,6 +14,7 @@ from rematlab.core.spread import bootstrap
 
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer",
          "cfg_precision"]
+
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
 MIN_BLOCKS = 6  # below this a two-sided signed-rank test cannot reach p < 0.05
 MIN_ARCH_BLOCKS = 3  # per-architecture claims: a t-test on log ratios works from 3 blocks

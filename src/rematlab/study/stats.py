@@ -81,6 +81,16 @@ class StatsReport:
         return "\n".join(parts) + "\n"
 
 
+def fp32_unless_said(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """`frame` with every configuration's precision said: fp32 where a row has none (rows
+    from before the field, frames exported by an older rematlab), so blocks compare alike."""
+    if frame is None:
+        return None
+    precision = frame.get("cfg_precision")
+    return frame.assign(cfg_precision="fp32" if precision is None
+                        else precision.fillna("fp32"))
+
+
 def paired_log_ratios(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (block, strategy != none): log ratios of time and memory to `none`."""
     ok = summary[summary["outcome"] == "ok"].copy()
@@ -104,6 +114,7 @@ def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
     `untrusted`, or unless no trusted one is left: a busy machine's dataset is analysed with
     a note, not refused."""
     s = settings or Settings()
+    summary, runs = fp32_unless_said(summary), fp32_unless_said(runs)
     notes = []
     if not untrusted:
         trusted, dropped = trusted_only(summary)
