@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rematlab.core.guard import Evidence
 from rematlab.core.optimizers import make_optimizer
-from rematlab.core.steps import train_step
+from rematlab.core.recipe import Step
 from rematlab.core.timer import Timer, Turns
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
@@ -59,7 +59,8 @@ def _side_by_side(runs: dict, batch, model, rounds: int) -> tuple[dict[str, tupl
 
     def work(name: str):
         def one(clock):
-            return train_step(model, batch, run=ready(name), optimizer=opt, clock=clock)
+            return Step().train_step(model, batch, run=ready(name), optimizer=opt,
+                                     clock=clock)
         return one
 
     timing = Timer(next(model.parameters()).device).run(

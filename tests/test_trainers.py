@@ -101,6 +101,15 @@ def test_hf_trainer_with_a_plan_trains_like_without_it_and_keeps_the_budget():
     assert max(meter.peaks[1:]) <= BUDGET, (chosen.describe(), meter.peaks)
 
 
+def test_hf_trainer_plans_within_what_this_machine_has():
+    from rematlab.integrations.transformers import plan_trainer
+
+    trainer = _hf_trainer(_model())
+    chosen = plan_trainer(trainer)  # budget="auto": this CPU's memory holds the whole step
+    assert chosen.budget > chosen.predicted_peak and not chosen.segments
+    assert chosen.step["precision"] == "bfloat16" and chosen.step["micro_batches"] == 2
+
+
 def test_hf_trainer_gradient_checkpointing_is_refused_beside_a_plan():
     from transformers import Trainer, TrainingArguments
 

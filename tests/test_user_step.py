@@ -213,3 +213,26 @@ def test_max_batch_and_auto_take_the_users_step():
             loss.backward()
         model.zero_grad(set_to_none=True)
     assert len(remat.events) == 1 and remat.events[0].peak <= budget
+
+
+def test_the_optimizers_implementation_and_the_zero_grad_are_priced():
+    """foreach AdamW's temporaries are larger than the single-tensor loop's, fused has none;
+    gradients the loop zeroes rather than frees are resident like accumulated ones."""
+    from rematlab.remat.chain import optimizer_memory
+
+    params = [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(8)]
+
+    def transient(**kw):
+        step = rematlab.Step(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3, **kw})
+        return optimizer_memory(params, step)
+
+    (state, foreach), (_, single), (_, fused) = (transient(foreach=True),
+                                                 transient(foreach=False), transient(fused=True))
+    assert state == 2 * sum(p.numel() * 4 for p in params) + 8 * 4  # moments and steps
+    assert foreach > single > fused
+    model, batch = MODELS["gpt2"]()
+    zeroed = rematlab.prepare(model, batch, step=rematlab.Step(set_to_none=False))
+    freed = rematlab.prepare(model, batch)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert zeroed.costs.grads_resident and zeroed.costs.base - freed.costs.base == grads
+    assert zeroed.measured_floor() > freed.measured_floor()  # the zeros were measured

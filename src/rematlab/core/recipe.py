@@ -179,15 +179,23 @@ class Step:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
 
     def micro_batch(self, run: Callable, batch: Batch) -> None:
-        """One micro-batch's forward and backward: the loss divided by the micro-batches
-        and multiplied by a GradScaler's initial scale (2^16) where there is one."""
+        """One micro-batch's forward and backward (`for_backward`'s loss)."""
         out, loss = self.forward(run, batch)
+        self.for_backward(loss).backward()
+        del out, loss
+
+    def for_backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None
+                     ) -> torch.Tensor:
+        """The loss backward starts from: divided by the micro-batches, then scaled by
+        `scaler`, or by a GradScaler's initial scale (2^16) when the step has one and none
+        is given (a profile's or a verification's step, which never updates a scale)."""
         if self.micro_batches > 1:
             loss = loss / self.micro_batches
+        if scaler is not None:
+            return scaler.scale(loss)
         if self.scaled:
-            loss = loss * torch.full((), 2.0 ** 16, device=loss.device)
-        loss.backward()
-        del out, loss
+            return loss * torch.full((), 2.0 ** 16, device=loss.device)
+        return loss
 
     def train_step(self, model: nn.Module, batch: Batch, run: Callable | None = None,
                    optimizer: torch.optim.Optimizer | None = None,
@@ -198,7 +206,7 @@ class Step:
         timed: gradients zeroed as the loop does, every micro-batch in the autocast region
         with its loss divided and scaled, backward, then unscaling, clipping and the
         optimizer's step (a GradScaler's update included), the last micro-batch's output
-        alive until the step ends (`steps.train_step`'s rule). With `clock`, each phase's
+        alive until the step ends, as in a user's loop. With `clock`, each phase's
         seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s;
         `around(phase)` wraps each phase in a context (a memory probe's phase marker)."""
         run = run if run is not None else model
@@ -220,11 +228,7 @@ class Step:
         for _ in range(self.micro_batches):
             del out  # the previous micro-batch's output, before the next forward
             out, loss = timed("forward", lambda: self.forward(run, batch))
-            if self.micro_batches > 1:
-                loss = loss / self.micro_batches
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            timed("backward", loss.backward)
+            timed("backward", self.for_backward(loss, scaler).backward)
             del loss
         if optimizer is not None:
             timed("optimizer", lambda: self.update(model.parameters(), optimizer, scaler))

@@ -10,7 +10,8 @@ output tensor otherwise (any shape: images, sequences, embeddings).
 Budget semantics: the step whose peak a plan bounds is `out = model(batch); loss =
 loss_fn(out, batch); loss.backward(); optimizer.step()`, with `out` alive until the step ends,
 as in a real loop (a logits tensor that outlives backward is part of the peak), and the
-optimizer's state and step included.
+optimizer's state and step included. The whole step, as the user's loop runs it (autocast,
+micro-batches, clipping), is `rematlab.core.recipe.Step.train_step`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from rematlab.core.batch import Batch, call, first_float
-from rematlab.core.probes import Clock
 from rematlab.exceptions import ConfigError, SimulatedOOM
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # loss_fn(output, batch), as the user gives it
@@ -73,46 +73,6 @@ def step(model: Callable, batch: Batch, loss_fn: LossFn | None = None) -> Any:
     out, loss = forward(model, batch, loss_fn)
     loss.backward()
     return out
-
-
-def train_step(model: nn.Module, batch: Batch, *, run: Callable | None = None,
-               loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
-               clock: Clock | None = None,
-               around: Callable[[str], contextlib.AbstractContextManager] | None = None
-               ) -> dict[str, float]:
-    """One training step of `run` (the model, or the model under a plan), the step every
-    time and peak rematlab reports is made of: gradients of `model` zeroed, forward and loss,
-    backward, the optimizer's step, with the output alive until the step ends as in a
-    user's loop. With `clock`, the seconds of each phase (`PHASES`) and of the `step`;
-    `around(phase)` wraps a phase in a context (a memory probe's phase marker). The user's own
-    step (autocast, micro-batches, clipping) is `rematlab.core.recipe.Step.train_step`."""
-    def phase(name: str) -> contextlib.AbstractContextManager:
-        return around(name) if around else contextlib.nullcontext()
-
-    def timed(name: str, work: Callable[[], Any]) -> Any:
-        if clock is not None:
-            clock.start()
-        with phase(name):
-            result = work()
-        if clock is not None:
-            times[name] = clock.stop()
-        return result
-
-    times: dict[str, float] = {}
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
-    runs = run if run is not None else model  # a compiled module has no truth value
-    out, loss = timed("forward", lambda: forward(runs, batch, loss_fn))
-    timed("backward", loss.backward)
-    if optimizer is not None:
-        timed("optimizer", optimizer.step)
-    del out, loss
-    if clock is not None:
-        times.setdefault("optimizer", 0.0)
-        times["step"] = sum(times[p] for p in PHASES)
-    return times
 
 
 @contextlib.contextmanager
