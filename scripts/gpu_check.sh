@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh [--dry-run] [OUT]      (OUT defaults to gpu-check/)
 #
 # Steps, each writing into OUT: the machine (env.json, nvidia-smi.txt), the CUDA tests
-# (cuda-tests.txt), `rematlab measure` on VGG-16 for none / uniform:4 / sqrt, `rematlab plan`
+# (cuda-tests.txt), `rematlab measure` on VGG-16 for none / uniform:4 / sqrt in fp32 and under
+# bf16 autocast (the user's step, `--precision bf16`), `rematlab plan`
 # eager and under torch.compile at three budgets with measured peaks (plans.json), pre-flight
 # plans (predicted without running, for the GPU here and its data sheet) with their peaks
 # measured (preflight.json), a slice of the seed study's grid spanning every factor swept
@@ -65,10 +66,13 @@ else
     SCALE=imagenet; BATCH=64; REPEATS=5; PLAN_BATCH=64; COMPILE_MODEL=vgg16
 fi
 
-step "measure VGG-16 ($SCALE, batch $BATCH)"
-for s in none uniform:4 sqrt; do
-    "${REMATLAB[@]}" measure --model vgg16 --input "$SCALE" --batch "$BATCH" --strategy "$s" \
-        --device "$DEV" --repeats "$REPEATS" --json > "$OUT/measure-vgg16-${s/:/-}.json"
+step "measure VGG-16 ($SCALE, batch $BATCH), fp32 and the user's bf16 autocast step"
+for p in fp32 bf16; do
+    for s in none uniform:4 sqrt; do
+        "${REMATLAB[@]}" measure --model vgg16 --input "$SCALE" --batch "$BATCH" --strategy "$s" \
+            --device "$DEV" --repeats "$REPEATS" --precision "$p" --json \
+            > "$OUT/measure-vgg16-${s/:/-}$([ "$p" = fp32 ] || echo "-$p").json"
+    done
 done
 
 step "plans: eager and torch.compile, three budgets each"

@@ -115,3 +115,15 @@ def test_table_cells_show_intervals_as_brackets():
     assert format_number((0.86647, 0.92753)) == "[0.866, 0.928]"
     assert format_number([1, 2]) == "[1, 2]"
     assert format_number(float("nan")) == "" and format_number(None) == ""
+
+
+def test_report_says_what_its_grid_is_for(tmp_path):
+    summary = synthetic.summary({"mlp3": (1.0, 1.1)}, batches=(16, 32))
+    res = StudyResults(grid="demo", summary=summary, runs=synthetic.runs(summary),
+                       about="The demo grid: a sketch")
+    html, md = render(res, tmp_path)
+    assert "The demo grid: a sketch" in html.read_text()
+    assert "**The demo grid: a sketch**" in md.read_text()
+    plain, _ = render(StudyResults(grid="g", summary=summary, runs=synthetic.runs(summary)),
+                      tmp_path / "plain")
+    assert "demo grid" not in plain.read_text()

@@ -83,3 +83,31 @@ def test_a_sweep_stored_before_waits_were_recorded_reports_no_wait():
                             "harness_overhead": 0.2, "waited_s": float("nan")}])
     info = study_mod._sweep_info(sweeps)
     assert info["waited_s"] == 0.0 and info["wall_s"] == 10.0 and not info["reused"]
+
+
+def test_a_grids_study_table_sizes_the_stages_and_explicit_settings_win(tmp_path):
+    from rematlab.study.grid import load_grid
+    from rematlab.study.reproduce import DEFAULTS
+
+    grid = tmp_path / "g.toml"
+    grid.write_text('batches = [4]\n[[models]]\nname = "mlp3"\n'
+                    '[study]\nabout = "a sketch"\ngradient_steps = 7\nplan_ops = false\n')
+    settings = StudySettings(grid=str(grid), gradient_seeds=2).for_grid(load_grid(grid))
+    assert (settings.gradient_steps, settings.plan_ops, settings.gradient_seeds) == (7, False, 2)
+    assert settings.gradient_models == DEFAULTS["gradient_models"]
+    assert StudySettings().for_grid(load_grid("quick")).plan_ops is True
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("[study]\ngradient_steps = 0\n", "study.gradient_steps"),
+    ("[study]\nplan_fractions = [1.5]\n", "study.plan_fractions"),
+    ("[study]\nspeed = 'fast'\n", "study.speed"),
+])
+def test_a_bad_study_table_names_the_field(tmp_path, body, needle):
+    from rematlab.exceptions import ConfigError
+    from rematlab.study.grid import load_grid
+
+    grid = tmp_path / "g.toml"
+    grid.write_text('batches = [4]\n[[models]]\nname = "mlp3"\n' + body)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_grid(grid)

@@ -40,6 +40,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_shipped_grids_expand_as_documented():
     assert len(load_grid("quick").expand()) == 120
+    demo = load_grid("demo")
+    assert len(demo.expand()) == 40 and demo.study.about.startswith("The demo grid")
+    assert {s.model for s in demo.expand()} == {"mlp3", "mlp5", "lenet5", "alexnet", "vgg16"}
     seed = load_grid("seed-study").expand()
     assert len(seed) >= 2064
     quick = load_grid("quick").expand()

@@ -357,9 +357,9 @@ def study(
     out: Annotated[Path, typer.Option(help="report directory")] = Path("results/study"),
     backend: Annotated[str, typer.Option(help="local or ray")] = "local",
     device: Annotated[str | None, typer.Option(help="override the grid's devices")] = None,
-    ops: Annotated[bool, typer.Option(
-        help="the plan stage offers op-level options (save some ops, recompute the rest)")
-    ] = True,
+    ops: Annotated[bool | None, typer.Option(
+        "--ops/--no-ops", help="the plan stage offers op-level options (save some ops, "
+        "recompute the rest); default: the grid's [study] plan_ops, else on")] = None,
 ) -> None:
     """Reproduce the whole study: sweep, predictors, statistics, plans, gradients, report."""
     from rematlab.measurement.spec import available, parse_device

@@ -91,6 +91,26 @@ class ModelEntry(BaseModel):
         return v
 
 
+class StudyOptions(BaseModel):
+    """How `rematlab study` runs its stages after the sweep on this grid (`[study]` in the
+    grid file; each left out is `reproduce.StudySettings`'s default): a grid sized for a demo
+    also sizes its gradient comparison and plan demonstrations, and says what it is
+    (`about`, shown at the top of the report)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    about: str | None = Field(default=None, max_length=1000)
+    gradient_models: list[str] | None = Field(default=None, min_length=1)
+    gradient_budgets: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(
+        default=None, min_length=1)
+    gradient_seeds: int | None = Field(default=None, ge=1, le=1000)
+    gradient_steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    gradient_batch: int | None = Field(default=None, ge=1, le=1_000_000)
+    plan_fractions: list[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] | None = \
+        Field(default=None, min_length=1)
+    plan_ops: bool | None = None
+
+
 class Grid(BaseModel):
     """A sweep: the cartesian product of its lists, per model."""
 
@@ -115,6 +135,7 @@ class Grid(BaseModel):
     max_wait_s: float = Field(default=MAX_WAIT_S, ge=0, le=MAX_TIMEOUT, allow_inf_nan=False)
     max_wait_total_s: float = Field(default=MAX_WAIT_TOTAL_S, ge=0, le=MAX_TIMEOUT,
                                     allow_inf_nan=False)
+    study: StudyOptions = Field(default_factory=StudyOptions)
 
     @field_validator("batches", "strategies", "dtypes", "devices", "optimizers", "precisions")
     @classmethod

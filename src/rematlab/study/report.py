@@ -44,6 +44,7 @@ class StudyResults:
     batches: pd.DataFrame = field(default_factory=pd.DataFrame)  # study._batch_stage rows
     gradients: dict = field(default_factory=dict)  # Comparison.to_dict()
     sweep: dict = field(default_factory=dict)
+    about: str = ""  # what the grid is for (its `[study] about`), shown at the top
 
 
 def _png(fig: plt.Figure) -> str:
@@ -320,6 +321,7 @@ def context(res: StudyResults) -> dict:
     counts = res.summary["outcome"].value_counts().to_dict() if len(res.summary) else {}
     return {
         "grid": res.grid,
+        "about": res.about,
         "environment": _environment(res),
         "methods": _methods(res),
         "counts": counts,

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -27,18 +27,40 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class StudySettings:
+    """Where the study runs and how its stages are sized. A stage setting left None is the
+    grid's (`[study]` in its file, `grid.StudyOptions`), else `DEFAULTS`."""
+
     grid: str = "quick"
     db: Path = Path("results/quick.duckdb")
     out: Path = Path("results/study")
     backend: str = "local"
     device: str | None = None
-    gradient_models: tuple[str, ...] = ("bert-topics",)  # the paper's regime (gradients.peft)
-    gradient_budgets: tuple[int, ...] = (1,)
-    gradient_seeds: int = 3
-    gradient_steps: int = 600
-    gradient_batch: int = 32
-    plan_fractions: tuple[float, ...] = (0.1, 0.5, 0.9)
-    plan_ops: bool = True  # the plan stage offers op-level options (`rematlab.remat.ops`)
+    gradient_models: tuple[str, ...] | None = None
+    gradient_budgets: tuple[int, ...] | None = None
+    gradient_seeds: int | None = None
+    gradient_steps: int | None = None
+    gradient_batch: int | None = None
+    plan_fractions: tuple[float, ...] | None = None
+    plan_ops: bool | None = None  # op-level options in the plan stage (`rematlab.remat.ops`)
+
+    def for_grid(self, grid: Grid) -> StudySettings:
+        """Every stage setting filled in: this object's, else the grid's, else `DEFAULTS`."""
+        given = grid.study.model_dump()
+
+        def pick(name: str) -> object:
+            mine = getattr(self, name)
+            if mine is not None:
+                return mine
+            value = given.get(name)
+            value = DEFAULTS[name] if value is None else value
+            return tuple(value) if isinstance(value, list) else value
+
+        return replace(self, **{name: pick(name) for name in DEFAULTS})
+
+
+DEFAULTS = {"gradient_models": ("bert-topics",),  # the paper's regime (gradients.peft)
+            "gradient_budgets": (1,), "gradient_seeds": 3, "gradient_steps": 600,
+            "gradient_batch": 32, "plan_fractions": (0.1, 0.5, 0.9), "plan_ops": True}
 
 
 class _Cache:
@@ -91,6 +113,7 @@ def run_study(settings: StudySettings, say: Say = print,
     grid = load_grid(settings.grid)
     if settings.device:
         grid = grid.model_copy(update={"devices": [settings.device]})
+    settings = settings.for_grid(grid)
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     cache = _Cache(out)
@@ -158,7 +181,7 @@ def run_study(settings: StudySettings, say: Say = print,
 
     say("[7/7] report")
     res = StudyResults(
-        grid=grid.name, summary=summary, runs=runs,
+        grid=grid.name, about=grid.study.about or "", summary=summary, runs=runs,
         evaluation=pd.DataFrame(pred["evaluation"]),
         predictions=pd.DataFrame(pred["predictions"]),
         predictor_models=pred["models"], stats=stats, plans=pd.DataFrame(plans["rows"]),
