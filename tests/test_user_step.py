@@ -236,3 +236,35 @@ def test_the_optimizers_implementation_and_the_zero_grad_are_priced():
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert zeroed.costs.grads_resident and zeroed.costs.base - freed.costs.base == grads
     assert zeroed.measured_floor() > freed.measured_floor()  # the zeros were measured
+
+
+def test_a_loop_that_drops_the_output_before_backward_is_priced_so():
+    """HF Trainer's and Lightning's loops free the logits before backward: with a large
+    vocabulary the step holds less, the plan uses that, and the loop keeps its budget."""
+    from rematlab.core.probes import LiveTensorTracker
+
+    torch.manual_seed(0)
+    model, batch = gpt2(batch=4, seq=64, layers=6, width=64)
+    model.resize_token_embeddings(4096)
+    model.train()
+    kept = rematlab.prepare(model, batch, step=rematlab.Step(precision="bf16"))
+    dropped = rematlab.prepare(model, batch, step=rematlab.Step(precision="bf16",
+                                                                output_alive=False))
+    logits = 4 * 64 * 4096 * 2  # bf16, what the loss's upcast leaves unsaved
+    assert kept.full - dropped.full >= 0.9 * logits
+    budget = (dropped.measured_floor() + dropped.full) // 2
+    planned = rematlab.apply(model, dropped.choose(budget))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(3):  # a Trainer-like step: the loss alone leaves the forward
+        opt.zero_grad(set_to_none=True)
+        tracker = LiveTensorTracker()
+        state = [t for s in opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        tracker.track([*model.parameters(), *model.buffers(), *batch.values(), *state])
+        with tracker:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = planned(**batch).loss
+            loss.backward()
+            del loss
+            opt.step()
+    assert 0.9 * budget <= tracker.peak <= budget

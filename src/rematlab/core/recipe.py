@@ -20,6 +20,12 @@ HF's `TrainingArguments` describe the same loop):
   `optimizer_kwargs` (`lr`, `foreach`, `fused`, ...).
 - `set_to_none`: `zero_grad(set_to_none=...)`; with False the gradients are alive (zeros)
   before the first forward, as under accumulation.
+- `output_alive`: whether the loop holds the model's output until the step ends (rematlab's
+  own loop and most hand-written ones: `out = model(x)` lives until the next iteration) or
+  drops it before backward, as HF Trainer and Lightning do (`compute_loss` and
+  `training_step` return the loss alone); a language model's logits are then not part of
+  the backward's peak. (A model run as a chain keeps counting its output, a classifier's
+  scores: small, and on the safe side.)
 - `loss_fn(output, batch)`, or the user's whole forward as `fn(model, batch) -> loss`, for
   anything else their step does (rematlab runs it under its probes).
 """
@@ -61,6 +67,7 @@ class Step:
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     set_to_none: bool = True
     scaler: bool | None = None  # None: a GradScaler exactly when precision is fp16
+    output_alive: bool = True
     loss_fn: LossFn | None = None
     fn: StepFn | None = None
 
@@ -179,8 +186,11 @@ class Step:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
 
     def micro_batch(self, run: Callable, batch: Batch) -> None:
-        """One micro-batch's forward and backward (`for_backward`'s loss)."""
+        """One micro-batch's forward and backward (`for_backward`'s loss), the output alive
+        through backward unless the loop drops it (`output_alive`)."""
         out, loss = self.forward(run, batch)
+        if not self.output_alive:
+            out = None
         self.for_backward(loss).backward()
         del out, loss
 
@@ -206,7 +216,8 @@ class Step:
         timed: gradients zeroed as the loop does, every micro-batch in the autocast region
         with its loss divided and scaled, backward, then unscaling, clipping and the
         optimizer's step (a GradScaler's update included), the last micro-batch's output
-        alive until the step ends, as in a user's loop. With `clock`, each phase's
+        alive until the step ends unless the loop drops it (`output_alive`). With `clock`,
+        each phase's
         seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s;
         `around(phase)` wraps each phase in a context (a memory probe's phase marker)."""
         run = run if run is not None else model
@@ -228,6 +239,8 @@ class Step:
         for _ in range(self.micro_batches):
             del out  # the previous micro-batch's output, before the next forward
             out, loss = timed("forward", lambda: self.forward(run, batch))
+            if not self.output_alive:
+                out = None
             timed("backward", self.for_backward(loss, scaler).backward)
             del loss
         if optimizer is not None:
@@ -279,6 +292,7 @@ class Step:
         parts.append(str(d["optimizer"]).rsplit(".", 1)[-1] if self.optimizer else
                      "no optimizer")
         parts += ["gradients zeroed, not freed"] if not self.set_to_none else []
+        parts += ["output dropped before backward"] if not self.output_alive else []
         parts += ["the user's step function"] if self.fn is not None else []
         return ", ".join(parts)
 
@@ -293,7 +307,7 @@ class Step:
                 "optimizer_kwargs": {k: v for k, v in dict(self.optimizer_kwargs).items()
                                      if isinstance(v, (bool, int, float, str))},
                 "set_to_none": self.set_to_none, "scaler": self.scaled,
-                "step_fn": self.fn is not None}
+                "output_alive": self.output_alive, "step_fn": self.fn is not None}
 
 
 def as_step(step: Step | None = None, optimizer: Any = "momentum",

@@ -5,7 +5,8 @@ What is read: `trainer.precision` (`"bf16-mixed"`, `"16-mixed"` with a GradScale
 ...), `accumulate_grad_batches` (micro-batches), `gradient_clip_val` (clipping by norm), the
 class and defaults of the optimizer `configure_optimizers` made, and the first batch. The
 plan is made for the module's `attr` (default `"model"`, where a LightningModule usually
-keeps its network), with that network's own loss (`out.loss`) or `loss_fn(out, batch)`.
+keeps its network), with that network's own loss (`out.loss`) or `loss_fn(out, batch)`; the
+output dies before backward (`training_step` returns the loss).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def trainer_step(trainer: Any, loss_fn: LossFn | None = None) -> Step:
     cls, kwargs = optimizer_spec(opt) if opt is not None else (None, {})
     return Step(precision=str(trainer.precision), micro_batches=trainer.accumulate_grad_batches,
                 clip=float(clip) if clip else None, optimizer=cls, optimizer_kwargs=kwargs,
-                loss_fn=loss_fn)
+                loss_fn=loss_fn, output_alive=False)  # training_step returns the loss
 
 
 def RematCallback(budget: str | int = "auto", attr: str = "model",

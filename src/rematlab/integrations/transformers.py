@@ -5,8 +5,9 @@ What is read: `bf16`/`fp16` (autocast, fp16 with a GradScaler), `gradient_accumu
 (micro-batches), `max_grad_norm` (clipping, when > 0), the optimizer class and keywords
 `optim` resolves to (`Trainer.get_optimizer_cls_and_kwargs`, or the `optimizers=` the Trainer
 was given), and the first batch of the Trainer's own train dataloader (its collator, its
-`per_device_train_batch_size`, its column filter). `gradient_checkpointing=True` is refused:
-a plan replaces it.
+`per_device_train_batch_size`, its column filter). The model's output dies before backward
+(`compute_loss` returns the loss alone). `gradient_checkpointing=True` is refused: a plan
+replaces it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def trainer_step(trainer: Any) -> Step:
     return Step(precision=precision, micro_batches=args.gradient_accumulation_steps,
                 clip=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
                 else None,
-                optimizer=opt_cls, optimizer_kwargs=opt_kwargs)
+                optimizer=opt_cls, optimizer_kwargs=opt_kwargs,
+                output_alive=False)  # compute_loss returns the loss alone
 
 
 def plan_trainer(trainer: Any, budget: str | int = "auto", **kwargs: Any) -> Plan:

@@ -302,9 +302,13 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: S
                 out, loss = step.forward(plain, batch)  # in the step's autocast region
                 mark("forward_end")
                 alive = seen["y_ref"]() is not None
-                output = batch_bytes(out)  # the user's loop keeps the output until the end
                 loss_bytes = 0 if any(t is loss for t in tensors(out)) else rounded(
                     loss.element_size() * loss.numel(), tracker.unit)  # the model's own?
+                # a loop that keeps the output until the step ends (`Step.output_alive`)
+                output = batch_bytes(out) if step.output_alive else 0
+                if not step.output_alive:
+                    out = None  # dropped before backward: what autograd saved of it stays
+                mark("backward_start")
                 loss.backward()
                 mark("end")
             del out, loss
@@ -322,6 +326,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: S
                           f"(missing events: {sorted(need - events.keys())})")
     start, first_in_ = events["start"][0], events["first_in"]
     last_out_, fwd_end = events["last_out"], events["forward_end"]
+    bwd_start = events["backward_start"]
     last_grad, end = events["last_grad"], events["end"]
     layer_params = {id(p) for m in layers for p in m.parameters()}
     outside = [p for p in params if id(p) not in layer_params and p.requires_grad]
@@ -336,10 +341,10 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: S
         "before_fwd": first_in_[1] - start,
         "before_bwd": 0 if frozen else end[1] - events["first_grad"][0],
         "before_grad": sum(nbytes.values()) - after_grad,
-        "after_saved": fwd_end[0] - last_out_[0] + (0 if alive else y) - output,
+        "after_saved": bwd_start[0] - last_out_[0] + (0 if alive else y) - output,
         "after_keeps_input": alive,
         "after_fwd": fwd_end[1] - last_out_[0],
-        "after_bwd": last_grad[1] - fwd_end[0],
+        "after_bwd": last_grad[1] - bwd_start[0],
         "after_grad": after_grad,
         "step_time": step_time,
         **({"step_range": (fast, slow)} if target is not None else {}),
