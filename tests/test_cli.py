@@ -162,3 +162,16 @@ def test_plan_with_several_budgets_profiles_once_and_never_gets_slower():
     overheads = [p["predicted_overhead"] for p in plans]
     assert overheads == sorted(overheads, reverse=True)
     assert data["curve"][-1]["overhead"] == 0.0 and len(data["curve"]) >= 2
+
+
+def test_max_batch_predicts_for_a_card_from_the_command_line():
+    """`max-batch --predict` (README): meta batches stay meta, times are the card's roofline
+    (not FLOPs), and remat fits a larger batch of VGG-16 within the budget."""
+    proc = clirun.run(["max-batch", "--model", "vgg16", "--input", "cifar", "--predict",
+                       "--target", "rtx4090", "--budget", "2GiB", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    fits = {f["case"]: f for f in json.loads(proc.stdout)["fits"]}
+    assert fits["optimal"]["batch"] > fits["none"]["batch"] > 0
+    for f in fits.values():
+        assert f["peak"] <= 2 * 2**30 and not f["at_limit"]
+        assert 1e-4 < f["step_s"] < 1.0  # seconds on the card, not a count of FLOPs

@@ -1,6 +1,7 @@
 """Every subcommand, fed bad input (issue 13): exit status 2, exactly one `error: ...` line
 on stderr, no traceback, nothing on stdout; damaged and foreign files included."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,6 +34,9 @@ def files(tmp_path_factory):
     (d / "afile").write_text("x")
     (d / "syntax_err.py").write_text("def broken(:\n")
     (d / "raises.py").write_text("def model():\n    raise RuntimeError('boom')\n")
+    (d / "deep.json").write_text('{"a":' * 5000 + "1" + "}" * 5000)  # nested past any profile
+    plan5 = {"n_blocks": 5, "items": [{"checkpoint": [0, 2], "inner": [0, 1]}, 2, 3, 4]}
+    (d / "mlp5-plan.json").write_text(json.dumps(plan5))
     shutil.copy(HERE / "userzoo.py", d / "userzoo_copy.py")
     with Store(d / "oom_only.duckdb") as store:  # results, none of them usable
         for batch in (1, 2, 3):
@@ -143,6 +147,15 @@ CASES = [
     ("gradients", ["--steps", "1099511627776"], "steps must be between"),
     ("gradients", ["--models", "userzoo_copy:tiny", "--steps", "2"], "fails on the batch"),
     ("gradients", ["--budgets", "a,b"], "budgets"),
+    # issue 39's review: each was a traceback, or an error after progress lines
+    ("gradients", ["--models", "mlp3", "--strategy", "plan:{d}/mlp5-plan.json", "--steps",
+                   "2"], "is for 5 blocks"),
+    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--predict", "--target", "{d}/deep.json"],
+     "cannot read the target profile"),
+    ("plan", ["--model", "vgg16", "--input-shape", "100000,100000", "--batch", "2", "--budget",
+              "1GiB", "--predict", "--target", "h100-80gb"], "fails on the batch"),
+    ("plan", ["--model", "vgg16", "--input-shape", "3,224,224", "--batch", "2147483647",
+              "--budget", "1GiB", "--predict", "--target", "h100-80gb"], "fails on the batch"),
     ("study", ["--device", "cuda:99"], "cuda"),
     ("study", ["--grid", "{d}/grid.toml"], "twice"),
     ("bogus", [], "No such command"),

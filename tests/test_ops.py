@@ -93,6 +93,24 @@ def test_a_plan_made_for_other_code_is_refused_and_the_right_code_runs_it():
         call(rematlab.apply(other, plan), batch)
 
 
+def test_a_plan_whose_saves_name_ops_its_block_never_runs_is_refused(tmp_path):
+    """The fingerprint of the block's ops still matches an edited plan; its saves do not."""
+    import json
+
+    model, batch = realzoo.gpt2()
+    plan = _every_option(rematlab.prepare(model, batch, ops=True))
+    data = json.loads(plan.to_json())
+    for item in data["items"]:
+        if isinstance(item, dict) and "option" in item:  # aten.addmm -> aten.mm, and so on
+            item["saves"] = [[name.replace("addmm", "mm").replace("bmm", "baddbmm"), k]
+                             for name, k in item["saves"]]
+            item["saves"].append(["aten.mm.default", 999])  # an occurrence beyond the last
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="saves ops layer 0 does not run"):
+        call(rematlab.apply(model, Plan.from_json(edited.read_text())), batch)
+
+
 def test_menus_name_the_policies_users_know_and_never_save_random_or_mutated_outputs():
     model, _ = realzoo.gpt2(layers=1)
     layer = model.transformer.h[0].train()

@@ -8,12 +8,13 @@ sweep's dataset, `predict` step time and peak memory. Pre-flight (`predict=True,
 on `plan`, `prepare` and `max_batch`) plans without running, for a device that is not here
 (`Target`, `PROFILES`), with `add_lora` for the way large models are fine-tuned. `Step`
 describes the user's own training step (autocast, micro-batches, clipping, optimizer), for
-which every plan and measurement is then made.
+which every plan and measurement is then made. `zoo` holds the study's six architectures.
 """
 
 from rematlab.core.lora import add_lora
 from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
+from rematlab.measurement import zoo
 from rematlab.measurement.measure import measure
 from rematlab.measurement.spec import Observation, Spec
 from rematlab.planning.maxbatch import max_batch
@@ -57,4 +58,5 @@ __all__ = [
     "plan",
     "predict",
     "prepare",
+    "zoo",
 ]

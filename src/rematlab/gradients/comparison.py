@@ -17,6 +17,7 @@ from rematlab.gradients import peft
 from rematlab.gradients.estimators import Method
 from rematlab.gradients.tasks import build_model
 from rematlab.gradients.training import Run, train
+from rematlab.remat.strategies import parse
 
 
 @dataclass
@@ -60,9 +61,12 @@ def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int
     bounded("batch", batch, MAX_STEPS)
     for k in budgets:
         bounded("directions per step (budgets)", k, MAX_DIRECTIONS)
-    for model in models:  # fail on a bad name, or a model that misfits, before any training
-        if model != peft.MODEL:
-            build_model(model)
+    strat = parse(strategy)
+    for model in models:  # fail on a bad name, a model that misfits, or a plan made for
+        if model != peft.MODEL:  # another model, before any training
+            net, _ = build_model(model)
+            if strat.kind == "plan":
+                strat.build(len(net))
     eval_every = eval_every or max(1, steps // 100)
     runs: list[Run] = []
     best_lr: dict[str, float] = {}

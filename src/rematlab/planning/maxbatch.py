@@ -334,7 +334,8 @@ def max_batch(
     dev = torch.device(device) if device is not None else None
     if dev is None:
         dev = next((p.device for p in model.parameters()), None)
-    make, first = batches_from(example, dev)
+    # predicted batches stay what they are (meta tensors, shapes only): nothing is moved
+    make, first = batches_from(example, None if predict else dev)
     start = first if start is None else start
     if start < (1 if predict else 2):
         raise ConfigError(f"start must be at least {1 if predict else 2} (profiled with twice "

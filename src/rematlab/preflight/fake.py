@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,8 +47,17 @@ class FakeSession:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        with self.mode, (cuda_attention() if self.cuda else contextlib.nullcontext()):
-            yield
+        """Fake mode on. A meta kernel that refuses its inputs raises (a batch the model
+        cannot take is said in one line by the caller); torch also logs it as an error with a
+        traceback, which is silenced here."""
+        noisy = logging.getLogger("torch._subclasses.fake_tensor")
+        level = noisy.level
+        noisy.setLevel(logging.CRITICAL)
+        try:
+            with self.mode, (cuda_attention() if self.cuda else contextlib.nullcontext()):
+                yield
+        finally:
+            noisy.setLevel(level)
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor shaped like `t` (real or meta) on the CPU."""

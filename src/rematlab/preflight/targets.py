@@ -190,10 +190,11 @@ def resolve_target(target: str | Target | dict | None, device_type: str = "cpu")
     if path.suffix == ".json":
         try:
             fields = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the target profile {target}: {exc}") from None
+        except (OSError, ValueError, RecursionError) as exc:  # nested past any profile
+            raise ConfigError(f"cannot read the target profile {target}: "
+                              f"{type(exc).__name__}: {str(exc)[:200]}") from None
         return _from_fields(fields, str(path))
-    raise ConfigError(f"unknown target {target!r}: choose cpu, cuda (the GPU here), "
+    raise ConfigError(f"unknown target {str(target)[:80]!r}: choose cpu, cuda (the GPU here), "
                       f"{', '.join(PROFILES)}, or a profile.json")
 
 

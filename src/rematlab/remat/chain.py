@@ -31,7 +31,7 @@ from rematlab.core.probes import (
     storage_key,
 )
 from rematlab.core.recipe import Step
-from rematlab.core.steps import LossFn, default_loss, preserved, unit_loss
+from rematlab.core.steps import LossFn, default_loss, preserved, runs_on, unit_loss
 from rematlab.core.timer import time_block, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
@@ -65,7 +65,7 @@ def profile_chain(
     as a real run's, times the roofline's on the target; nothing is allocated or run."""
     device = device or example_input.device
     step = step or Step(optimizer=optimizer, loss_fn=loss_fn)
-    meta = device.type == "meta"
+    meta = device.type == "meta" and target is None  # a target prices meta batches as fakes
     predicted = meta or target is not None
     if predicted and compile:
         raise ConfigError("compiled costs must be measured: they cannot be predicted")
@@ -90,6 +90,9 @@ def profile_chain(
              else watched("the blocks' forward and backward times"))
     repeated = Repeats()
     with watch:
+        if session is not None:  # a batch the model cannot take is bad input, said in one line
+            twin = nn.Sequential(*run)
+            runs_on(twin, twin, x, "the model (pre-flight)")
         for i, block in enumerate(run):
             x_in = block_input(x, needs_grad=i > 0)
             fwd = step.in_region(block, x_in.device)

@@ -250,12 +250,20 @@ class SavePolicy:
                 else CheckpointPolicy.PREFER_RECOMPUTE)
 
     def check(self) -> None:
-        """Refuse the plan when this forward ran other ops than the option was made for."""
+        """Refuse the plan when this forward ran other ops than the option was made for, or
+        when the option saves an op (or an occurrence of one) the forward never ran: an
+        edited plan would otherwise silently save nothing there and recompute it all."""
         if self.ops and self.seen and fingerprint(self.seen) != self.ops:
             raise ConfigError(
                 f"the plan is stale: {self.where} ran {len(self.seen)} ops that do not match "
                 "the op sequence its option was made for (the model or its input changed); "
                 "plan again")
+        ran = self._counts[False]
+        missing = sorted(f"{name}#{k}" for name, k in self.saves if k >= ran[name])
+        if self.seen and missing:
+            raise ConfigError(f"the plan saves ops {self.where} does not run "
+                              f"({', '.join(missing[:4])}): it was edited or made for other "
+                              "code; plan again")
 
 
 def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
