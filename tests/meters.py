@@ -39,8 +39,6 @@ def user_loop_peak(model, batch, *, precision=None, micro_batches=1, clip=None,
     divided, `clip_grad_norm_`, then the optimizer (AdamW by default). Two warm-up steps
     make the optimizer state; the third is measured by torch's MemTracker, or, for several
     forwards per step (which MemTracker refuses), by the live-storage tracker."""
-    from rematlab.core.probes import LiveTensorTracker
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[precision]
     opt = optimizer(model.parameters()) if optimizer else torch.optim.AdamW(
         model.parameters(), lr=1e-4)
@@ -73,9 +71,37 @@ def user_loop_peak(model, batch, *, precision=None, micro_batches=1, clip=None,
         with mt:
             step()
         return max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+    return _live_peak(model, batch, opt, step)
+
+
+def _live_peak(model, batch, opt, step) -> int:
+    """The peak of `step()` by the live-storage tracker, with the model's parameters and
+    buffers, the batch and `opt`'s state alive before it."""
+    from rematlab.core.probes import LiveTensorTracker
+
     tracker = LiveTensorTracker()
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     tracker.track([*model.parameters(), *model.buffers(), *tensors(batch), *state])
     with tracker:
         step()
     return tracker.peak
+
+
+def loss_loop_peak(model, batch, loss_of) -> int:
+    """The peak of a loop whose forward returns the loss alone (`loss_of()`, under bf16
+    autocast: a step function, or HF Trainer's `compute_loss`, which drops the output before
+    backward), with momentum SGD; two warm-up steps, the third measured by the live-storage
+    tracker."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of()
+        loss.backward()
+        del loss
+        opt.step()
+
+    step()
+    step()
+    return _live_peak(model, batch, opt, step)

@@ -12,7 +12,7 @@ import torch
 
 import rematlab
 from rematlab.exceptions import ConfigError
-from tests.meters import user_loop_peak
+from tests.meters import loss_loop_peak, user_loop_peak
 from tests.realzoo import gpt2, llama
 
 MODELS = {"gpt2": functools.partial(gpt2, batch=4, seq=64, layers=8, width=64),
@@ -99,22 +99,7 @@ def test_the_users_own_step_function_is_what_the_budget_holds():
     budget = (planning.measured_floor() + planning.full) // 2
     chosen = planning.choose(budget)
     planned = rematlab.apply(model, chosen)
-    from rematlab.core.probes import LiveTensorTracker
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for _ in range(3):  # two warm-up steps, then the measured one
-        opt.zero_grad(set_to_none=True)
-        tracker = LiveTensorTracker()
-        state = [t for s in opt.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]
-        tracker.track([*model.parameters(), *model.buffers(), *batch.values(), *state])
-        with tracker:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = my_step(planned, batch)
-            loss.backward()
-            del loss
-            opt.step()
-    assert tracker.peak <= budget
+    assert loss_loop_peak(model, batch, lambda: my_step(planned, batch)) <= budget
     assert chosen.measured_peak <= budget
 
 
@@ -241,7 +226,6 @@ def test_the_optimizers_implementation_and_the_zero_grad_are_priced():
 def test_a_loop_that_drops_the_output_before_backward_is_priced_so():
     """HF Trainer's and Lightning's loops free the logits before backward: with a large
     vocabulary the step holds less, the plan uses that, and the loop keeps its budget."""
-    from rematlab.core.probes import LiveTensorTracker
 
     torch.manual_seed(0)
     model, batch = gpt2(batch=4, seq=64, layers=6, width=64)
@@ -254,17 +238,5 @@ def test_a_loop_that_drops_the_output_before_backward_is_priced_so():
     assert kept.full - dropped.full >= 0.9 * logits
     budget = (dropped.measured_floor() + dropped.full) // 2
     planned = rematlab.apply(model, dropped.choose(budget))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for _ in range(3):  # a Trainer-like step: the loss alone leaves the forward
-        opt.zero_grad(set_to_none=True)
-        tracker = LiveTensorTracker()
-        state = [t for s in opt.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]
-        tracker.track([*model.parameters(), *model.buffers(), *batch.values(), *state])
-        with tracker:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = planned(**batch).loss
-            loss.backward()
-            del loss
-            opt.step()
-    assert 0.9 * budget <= tracker.peak <= budget
+    peak = loss_loop_peak(model, batch, lambda: planned(**batch).loss)  # Trainer-like
+    assert 0.9 * budget <= peak <= budget
