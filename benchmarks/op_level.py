@@ -6,7 +6,8 @@ For each model (GPT-2, BERT and a Llama-style decoder from transformers configs;
 ResNet-style CNN; VGG-16 from the zoo) and five budgets from the op-level floor to the
 unconstrained peak: the op-level plan (`prepare(..., ops=True).choose`), the block/layer plan
 (`prepare(...).choose`), transformers' `every_n_layers` (the largest n that fits) and "save
-matmuls" on every layer (torchtitan's policy, where it fits), and `torch.compile` of the
+matmuls" on every layer (every matmul's output; torchtitan's policy saves `aten.mm` only and
+recomputes every second one; where it fits), and `torch.compile` of the
 plain model with the partitioner's `activation_memory_budget` at `COMPILE_FRACTIONS` (the
 largest fraction whose compiled step fits). Peaks are measured by the planner's own step
 measurement (compiled steps: the allocator's trace, which sees inside compiled code); step

@@ -19,6 +19,16 @@ name = "lenet5"
 """
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache(tmp_path_factory):
+    """rematlab's cache (calibrations, trained backbones) in the session's temporary folder,
+    never the user's ~/.cache; commands the tests start inherit it."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("REMATLAB_CACHE", str(tmp_path_factory.mktemp("rematlab-cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic(monkeypatch):
     """Seeded, two threads, and the guard's process-wide fastest calibration forgotten: a

@@ -114,3 +114,19 @@ def test_no_module_is_longer_than_the_limit():
     long = sorted(f"{m}: {n}" for m, p in MODULES.items()
                   if (n := len(p.read_text().splitlines())) > MAX_LINES)
     assert long == []
+
+
+def test_every_subpackage_is_a_package_a_wheel_ships():
+    """setuptools' `packages.find` (pyproject) skips folders without `__init__.py`: a
+    namespace-only subpackage would be missing from a built wheel."""
+    from setuptools import find_packages
+
+    found = set(find_packages(str(PACKAGE.parent)))
+    code = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("*.py")}
+    assert code <= found, sorted(code - found)
+
+
+def test_the_tests_never_write_the_users_cache():
+    from rematlab.core.files import cache_dir
+
+    assert Path.home() / ".cache" / "rematlab" not in [cache_dir(), *cache_dir().parents]

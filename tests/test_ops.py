@@ -119,7 +119,7 @@ def test_menus_name_the_policies_users_know_and_never_save_random_or_mutated_out
     assert {o.name for o in ops if o.random} == {"aten.bernoulli_.float"}  # dropout masks
     sets = save_sets(ops)
     names = [describe_saves(s) for s in sets]
-    assert names[0] == "save addmm×4, bmm×2"  # torchtitan's "save matmuls"
+    assert names[0] == "save addmm×4, bmm×2"  # every matmul's output ("save matmuls")
     assert "softmax" not in names[1] and "bmm" not in names[1]  # Megatron's attention core
     bad = {(o.name, o.index) for o in ops if o.random or o.inplace or o.view}
     assert bad and not any(bad & set(s) for s in sets)

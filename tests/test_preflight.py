@@ -405,3 +405,23 @@ def test_a_target_is_a_frozen_profile_with_sources():
     for target in PROFILES.values():
         assert isinstance(target, Target) and target.source and target.context > 0
         assert target.flops["bfloat16"] > target.flops["float32"]
+
+
+def test_running_out_of_memory_in_the_short_twin_is_not_hidden_by_a_whole_run(monkeypatch):
+    """Only a loop that cannot run shortened falls back to the whole model: an OOM is a
+    result, passed on as it is (the whole model would not have fit either)."""
+    from rematlab.remat import layer_costs
+
+    model, batch = realzoo.gpt2(batch=2, seq=16, layers=6)
+    model.train()
+    layers = structure(model, batch).blocks
+    runs = []
+
+    def out_of_memory(*args, **kwargs):
+        runs.append(len(args[2]))
+        raise MemoryError("simulated: the twin's step does not fit")
+
+    monkeypatch.setattr(layer_costs, "_run", out_of_memory)
+    with pytest.raises(MemoryError):
+        profile_layers(model, batch, layers, target=resolve_target(PLAIN_CPU))
+    assert runs == [3]  # the three-layer twin, and no whole-model run after it

@@ -7,6 +7,7 @@ tracked training step of the whole model (`outer_costs`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from torch import nn
 from rematlab.core.batch import Batch, batch_bytes, first_float, tensors, to_device
 from rematlab.core.probes import LiveTensorTracker, rounded
 from rematlab.core.recipe import Step
-from rematlab.core.steps import LossFn, preserved
+from rematlab.core.steps import LossFn, is_oom, preserved
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
@@ -30,6 +31,8 @@ from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import OPTION_REPEATS, block_options
 from rematlab.remat.shorten import shortened, stretched
+
+_log = logging.getLogger("rematlab")
 
 
 def _output_tensor(out: Any) -> torch.Tensor:
@@ -199,7 +202,9 @@ def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how:
     """`_run` through the three-layer twin (`rematlab.remat.shorten`), and pre-flight the
     four-layer twin's step time; None where they do not apply, or where the model's loop
     does not run a shortened layer list (one that indexes its layers by the config's count):
-    the whole model's run then reports any error that is real."""
+    the whole model's run then reports any error that is real. Running out of memory is
+    passed on as it is: a result (the device cannot profile this batch), not a reason to run
+    the larger whole model."""
     try:
         with shortened(model, layers) as short:
             if short is None:
@@ -209,7 +214,11 @@ def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how:
         if how.target is not None:
             with shortened(model, layers, keep=4) as four:
                 longer = outer_costs(model, batch, four, how.step, 0, how.target)
-    except Exception:  # see the docstring: the whole model's run decides
+    except Exception as exc:  # see the docstring: the whole model's run decides
+        if is_oom(exc):
+            raise
+        _log.debug("profiled whole: the shortened twin failed (%s: %s)", type(exc).__name__,
+                   exc)
         return None
     return stretched(rows, outer, longer, len(layers))
 

@@ -9,9 +9,10 @@ to run again, the pointwise ops around it are not, and their outputs are as larg
 `profile_ops` records a block's forward op by op under a dispatch mode: each op's name and
 occurrence, output bytes, whether autograd saves the output, whether it is a view, in place
 or random, its FLOPs and its time. `save_sets` turns that into a small menu of save sets: the
-named policies users know ("save matmuls", as torchtitan's op-level SAC; "recompute the
-attention core", as Megatron's selective recompute) and greedy ones that recompute the ops
-cheapest per byte first. `SavePolicy` applies one, counting occurrences in forward and in
+named policies users know ("save matmuls", in the spirit of torchtitan's op-level SAC, which
+saves `aten.mm` and the attention kernels' outputs but recomputes every second `mm`;
+"recompute the attention core", as Megatron's selective recompute) and greedy ones that
+recompute the ops cheapest per byte first. `SavePolicy` applies one, counting occurrences in forward and in
 recompute alike, and refuses a plan made for another op sequence (`fingerprint`).
 
 Random ops are never saved: the recomputation replays the RNG from the region's start, and
@@ -192,7 +193,8 @@ def save_sets(ops: list[OpCost]) -> list[tuple[tuple[str, int], ...]]:
     kept plainly) or empty (the block checkpointed whole):
     - save matmuls: every matmul's output is kept, even one autograd does not keep (a
       recomputed op then starts from it instead of running the matmul again), the rest is
-      recomputed (torchtitan's op-level policy);
+      recomputed (torchtitan's op-level SAC saves `aten.mm` only, and recomputes every second
+      one: a cheaper cousin, not this set);
     - recompute the attention core: keep what autograd keeps and the matmuls, except the
       scores, softmax and attention products (Megatron's selective recompute);
     - between the two, greedy: the matmuls and the outputs autograd keeps that are dearest
