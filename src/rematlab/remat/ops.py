@@ -12,8 +12,9 @@ or random, its FLOPs and its time. `save_sets` turns that into a small menu of s
 named policies users know ("save matmuls", in the spirit of torchtitan's op-level SAC, which
 saves `aten.mm` and the attention kernels' outputs but recomputes every second `mm`;
 "recompute the attention core", as Megatron's selective recompute) and greedy ones that
-recompute the ops cheapest per byte first. `SavePolicy` applies one, counting occurrences in forward and in
-recompute alike, and refuses a plan made for another op sequence (`fingerprint`).
+recompute the ops cheapest per byte first. `SavePolicy` applies one, counting occurrences in
+forward and in recompute alike, and refuses a plan made for another op sequence
+(`fingerprint`) or one that saves ops the block never runs.
 
 Random ops are never saved: the recomputation replays the RNG from the region's start, and
 every random op must run again for the replayed stream to line up.
