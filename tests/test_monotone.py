@@ -65,7 +65,7 @@ def test_a_transformer_encoder_is_planned_through_its_layers_without_naming_them
     assert plan.measured_peak <= 0.4 * planning.full
     remat = rematlab.apply(model, plan)
     assert type(remat) is type(model)
-    assert own_loop_peak(remat, x) <= plan.budget * 1.02
+    assert own_loop_peak(remat, x) <= plan.budget
 
 
 def test_prepare_serves_many_budgets_from_one_profile_and_a_curve():
@@ -73,6 +73,9 @@ def test_prepare_serves_many_budgets_from_one_profile_and_a_curve():
     planning = rematlab.prepare(model.train(), x)
     curve = planning.curve()
     assert curve[0]["peak"] == planning.floor and curve[-1]["overhead"] == 0.0
-    assert [r["peak"] for r in curve] == sorted(r["peak"] for r in curve)
-    assert [r["time"] for r in curve] == sorted((r["time"] for r in curve), reverse=True)
     assert planning.unconstrained.describe() == curve[-1]["plan"]
+    # the curve is the Pareto front: every fixed strategy, simulated on the same costs, is
+    # matched or beaten in both peak and time by one of its points
+    for row in planning.baselines():
+        assert any(c["peak"] <= row["peak"] and c["time"] <= row["time"] * (1 + 1e-9)
+                   for c in curve), row

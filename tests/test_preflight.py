@@ -216,16 +216,29 @@ def test_the_allocator_model_follows_the_documented_rules():
 
 
 def test_a_cuda_target_rounds_blocks_and_routes_attention_as_cuda_does():
+    from rematlab.preflight.fake import FakeSession
+    from rematlab.preflight.roofline import OpLog
+
     model, batch = realzoo.llama(batch=2, seq=32, layers=2)
+    model.config._attn_implementation = "sdpa"  # the attention that CUDA and the CPU route
     model = model.to(torch.bfloat16).train()
-    cpu = prepare(model, batch, predict=True, target=PLAIN_CPU)
     gpu = prepare(model, batch, predict=True, target="h100-80gb")
     assert all(x % 512 == 0 for x in gpu.costs.x)
-    assert gpu.costs.base >= cpu.costs.base + PROFILES["h100-80gb"].workspace
     assert gpu.budget("auto").nbytes < PROFILES["h100-80gb"].usable
-    chosen = gpu.choose("auto")
-    fast, slow = gpu.interval(chosen)
-    assert fast <= chosen.predicted_time <= slow
+    ran = {}
+    for cuda in (True, False):
+        session, log = FakeSession(cuda=cuda), OpLog()
+        twin = session.model(model)
+        with session.active():
+            fake = session.batch(batch)
+            with log:
+                twin(**fake).loss.backward()
+        ran[cuda] = {op.name for op in log.ops if "attention" in op.name}
+    # bf16, no mask, head size 16: the flash kernel on CUDA, forward and backward; the CPU's
+    # own kernel here
+    assert ran[True] == {"_scaled_dot_product_flash_attention",
+                         "_scaled_dot_product_flash_attention_backward"}, ran
+    assert ran[False] and ran[False].isdisjoint(ran[True]), ran
 
 
 def test_targets_by_name_alias_and_profile(tmp_path):
