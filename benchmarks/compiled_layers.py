@@ -73,7 +73,7 @@ def main() -> None:
         planning = rematlab.prepare(model, batch, compile=True)
         top = planning.choose(planning.full * 2).measured_peak or 0
         try:
-            floor = planning.choose(planning.measured_floor()).measured_peak or 0
+            floor = planning.choose(planning.floor_budget()).measured_peak or 0
         except InfeasibleBudgetError as exc:
             floor = exc.min_peak
         with compiling():

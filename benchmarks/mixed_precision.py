@@ -74,11 +74,11 @@ def bench(name: str, sizes: dict, rounds: int) -> list[str]:
     planning_s = time.perf_counter() - t0
     fp32 = prepare(model, batch, step=Step(optimizer=torch.optim.AdamW,
                                            optimizer_kwargs={"lr": 1e-4}))
-    floor, full = aware.measured_floor(), aware.full
+    floor, full = aware.floor_budget(), aware.full
     plain = user_loop_peak(model, batch, precision="bf16", optimizer=_adamw, meter="live")
     lines = [f"**{name}** ({sizes}): autocast-aware floor {format_bytes(floor)}, "
              f"unconstrained {format_bytes(full)}; the plain autocast loop peaks at "
-             f"{format_bytes(plain)}; fp32 planning's floor {format_bytes(fp32.measured_floor())}"
+             f"{format_bytes(plain)}; fp32 planning's floor {format_bytes(fp32.floor_budget())}"
              f"; autocast-aware profiling and solving took {planning_s:.1f} s.", "",
              "| budget | plan | layers ckpt | autocast-loop peak | use | time × none (spread) |",
              "|---|---|---|---|---|---|"]

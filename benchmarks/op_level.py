@@ -174,7 +174,7 @@ def bench(name: str, make, rounds: int, figures: Path | None
     t0 = time.perf_counter()
     blocks = prepare(model, batch)
     blocks_s = time.perf_counter() - t0
-    floor, block_floor = ops.measured_floor(), blocks.measured_floor()
+    floor, block_floor = ops.floor_budget(), blocks.floor_budget()
     full = blocks.choose(10 * 2**40).measured_peak
     matmuls = _save_matmuls(ops)
     matmul_peak = ops.measure(matmuls) if matmuls else None

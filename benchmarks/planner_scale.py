@@ -143,7 +143,7 @@ def deep_decoder(layers: int = 80) -> str:
     ids = torch.empty(1, 1024, dtype=torch.int64, device="meta")
     t_prep, planning = _seconds(lambda: prepare(model, {"input_ids": ids, "labels": ids},
                                                 predict=True, target="h100-80gb", ops=True))
-    t_choose, _ = _seconds(lambda: planning.choose(int(1.2 * planning.measured_floor())))
+    t_choose, _ = _seconds(lambda: planning.choose(int(1.2 * planning.floor_budget())))
     t_dp, t_front, solution = _median_solve(planning.costs, layers=True)
     options = len(planning.costs.menu(1))
     return (f"| {layers} | {options} + keep + checkpoint | {t_prep:.1f} | {t_dp + t_front:.2f} | "

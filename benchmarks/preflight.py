@@ -47,7 +47,7 @@ from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import Planning, prepare
-from rematlab.planning.preflight import with_margin
+from rematlab.planning.predicted import with_margin
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.simulate import overhead, simulate
 from rematlab.preflight.targets import PROFILES, resolve_target
@@ -125,7 +125,7 @@ def part_one(rounds: int) -> tuple[list[str], dict]:
         pre_s = time.perf_counter() - t0
         measured = prepare(model, batch)
         for fraction in FRACTIONS:
-            low, high = predicted.measured_floor(), with_margin(predicted.full)
+            low, high = predicted.floor_budget(), with_margin(predicted.full)
             budget = int(low + fraction * (max(low, high) - low))
             chosen = predicted.choose(budget)
             peak = measured.measure(chosen)

@@ -30,7 +30,7 @@ def plans(model_name: str, scale: str | None, batch: int, device: str, compile: 
     planning = prepare(model, x, compile=compile)
     prepare_s = time.perf_counter() - t0
     rows = []
-    floor = planning.measured_floor()
+    floor = planning.floor_budget()
     for fraction in FRACTIONS:
         budget = int(floor + fraction * (planning.full - floor))
         t1 = time.perf_counter()

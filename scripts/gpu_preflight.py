@@ -44,7 +44,7 @@ def check(device: torch.device, targets: list[str], small: bool) -> list[dict]:
             t0 = time.perf_counter()
             predicted = prepare(model, batch, predict=True, target=target)
             plan_s = time.perf_counter() - t0
-            low, high = predicted.measured_floor(), int(predicted.full * 1.02)
+            low, high = predicted.floor_budget(), int(predicted.full * 1.02)
             for fraction in FRACTIONS:
                 budget = int(low + fraction * (high - low))
                 chosen = predicted.choose(budget)

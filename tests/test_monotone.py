@@ -24,7 +24,7 @@ CASES = {"chain": _chain, "qwen2": lambda: realzoo.qwen2(batch=8, seq=32, layers
          "gpt2": lambda: realzoo.gpt2(batch=8, seq=32, layers=4)}
 
 
-def _measured_floor(planning) -> int:
+def _floor_budget(planning) -> int:
     try:
         return planning.choose(planning.floor).measured_peak
     except rematlab.InfeasibleBudgetError as exc:
@@ -35,7 +35,7 @@ def _measured_floor(planning) -> int:
 def test_time_never_grows_with_the_budget_and_every_measured_peak_fits(name):
     model, batch = CASES[name]()
     planning = rematlab.prepare(model.train(), batch)
-    floor = _measured_floor(planning)
+    floor = _floor_budget(planning)
     top = max(planning.full, planning.choose(planning.full * 2).measured_peak)
     plans = [planning.choose(int(floor + i * (top - floor) / 9)) for i in range(10)]
     times = [p.predicted_time for p in plans]

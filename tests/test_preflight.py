@@ -16,7 +16,7 @@ from rematlab.core.optimizers import MixedAdamW
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import prepare
-from rematlab.planning.preflight import room, with_margin
+from rematlab.planning.predicted import room, with_margin
 from rematlab.preflight import allocator
 from rematlab.preflight.targets import PROFILES, Target, interval, resolve_target
 from rematlab.remat.chain import profile_chain
@@ -345,7 +345,7 @@ def test_predicted_plans_of_gpt2_fit_when_measured():
     model.train()
     predicted = prepare(model, batch, predict=True, target=PLAIN_CPU)
     measured = prepare(model, batch)
-    low, high = predicted.measured_floor(), with_margin(predicted.full)
+    low, high = predicted.floor_budget(), with_margin(predicted.full)
     assert low > predicted.floor
     with pytest.raises(InfeasibleBudgetError):
         predicted.choose(predicted.floor)  # within the margin: not promised

@@ -213,7 +213,7 @@ def test_peft_sees_the_same_model_before_and_after_a_plan():
     model, batch = gpt2(batch=4, seq=64, layers=8, width=64)
     peft_model = get_peft_model(model.train(), LoraConfig(**lora))
     planning = rematlab.prepare(peft_model, batch, step=rematlab.Step(precision="bf16"))
-    budget = (planning.measured_floor() + planning.full) // 2
+    budget = (planning.floor_budget() + planning.full) // 2
     chosen = planning.choose(budget)
     planned = rematlab.apply(peft_model, chosen)
     assert type(planned) is type(peft_model) and chosen.segments

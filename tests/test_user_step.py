@@ -46,7 +46,7 @@ def test_a_plan_for_the_users_step_keeps_its_budget_uses_it_and_keeps_gradients(
     step = rematlab.Step(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-4},
                          **step_kw)
     planning = rematlab.prepare(model, batch, step=step)
-    floor, full = planning.measured_floor(), planning.full
+    floor, full = planning.floor_budget(), planning.full
     assert floor < full
     plain = user_loop_peak(model, batch, optimizer=ADAMW, **loop_kw)
     budgets = [floor, (floor + full) // 2, max(full, plain)]
@@ -76,9 +76,9 @@ def test_a_plan_made_for_fp32_wastes_budget_in_an_autocast_loop():
     model.train()
     bf16 = rematlab.prepare(model, batch, step=rematlab.Step(precision="bf16"))
     fp32 = rematlab.prepare(model, batch)
-    budget = (bf16.measured_floor() + bf16.full) // 2
+    budget = (bf16.floor_budget() + bf16.full) // 2
     aware = bf16.choose(budget)
-    unaware = fp32.choose(max(budget, fp32.measured_floor()))
+    unaware = fp32.choose(max(budget, fp32.floor_budget()))
     assert len(aware.segments) < len(unaware.segments)
     assert user_loop_peak(rematlab.apply(model, aware), batch, precision="bf16",
                           optimizer=functools.partial(torch.optim.SGD, lr=0.01,
@@ -96,7 +96,7 @@ def test_the_users_own_step_function_is_what_the_budget_holds():
 
     step = rematlab.Step(fn=my_step, precision="bf16")
     planning = rematlab.prepare(model, batch, step=step)
-    budget = (planning.measured_floor() + planning.full) // 2
+    budget = (planning.floor_budget() + planning.full) // 2
     chosen = planning.choose(budget)
     planned = rematlab.apply(model, chosen)
     assert loss_loop_peak(model, batch, lambda: my_step(planned, batch)) <= budget
@@ -220,7 +220,7 @@ def test_the_optimizers_implementation_and_the_zero_grad_are_priced():
     freed = rematlab.prepare(model, batch)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert zeroed.costs.grads_resident and zeroed.costs.base - freed.costs.base == grads
-    assert zeroed.measured_floor() > freed.measured_floor()  # the zeros were measured
+    assert zeroed.floor_budget() > freed.floor_budget()  # the zeros were measured
 
 
 def test_a_loop_that_drops_the_output_before_backward_is_priced_so():
@@ -236,7 +236,7 @@ def test_a_loop_that_drops_the_output_before_backward_is_priced_so():
                                                                 output_alive=False))
     logits = 4 * 64 * 4096 * 2  # bf16, what the loss's upcast leaves unsaved
     assert kept.full - dropped.full >= 0.9 * logits
-    budget = (dropped.measured_floor() + dropped.full) // 2
+    budget = (dropped.floor_budget() + dropped.full) // 2
     planned = rematlab.apply(model, dropped.choose(budget))
     peak = loss_loop_peak(model, batch, lambda: planned(**batch).loss)  # Trainer-like
     assert 0.9 * budget <= peak <= budget

@@ -30,7 +30,7 @@ from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import format_bytes, infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
-from rematlab.planning.preflight import card_budget, predicted_costs, room, with_margin
+from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -43,7 +43,7 @@ from rematlab.remat.strategies import apply
 from rematlab.remat.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
-COMPILED_SLACK = 0.25
+COMPILED_TOLERANCE = 0.25  # compiled graphs save less than their blocks compiled alone
 _log = logging.getLogger("rematlab")
 
 
@@ -72,7 +72,7 @@ class Planning:
         """The model's smallest step peak (the measured floor can be higher)."""
         return self.solution.min_peak
 
-    def measured_floor(self) -> int:
+    def floor_budget(self) -> int:
         """The smallest budget `choose` accepts: the floor plan's measured peak when
         verifying (the simulated floor can be below it), the simulated floor and its margin
         when predicted for a target, else the simulated floor; what
@@ -111,7 +111,7 @@ class Planning:
         """The fastest plan within `budget` (a size or 'auto'), measured unless predicting.
 
         Monotone in the budget: the plans considered for a budget are the floor plan and the
-        frontier's plans whose simulated peak is within it (compiled: within `COMPILED_SLACK`
+        frontier's plans whose simulated peak is within it (compiled: within `COMPILED_TOLERANCE`
         above it, since compiled graphs save less than their blocks compiled alone), tried
         fastest first, and the first whose *measured* peak fits wins. Measurements are cached
         on this object, so a larger budget only adds candidates: its plan is never slower.
@@ -119,15 +119,15 @@ class Planning:
         floor."""
         limit = self.budget(budget).nbytes
         name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
-        slack = COMPILED_SLACK if self.compile else 0.0
+        tolerance = COMPILED_TOLERANCE if self.compile else 0.0
         frontier = self.solution.frontier
         pool = [frontier[0], *(p for p in frontier[1:]
-                               if (p.predicted_peak or 0) <= limit * (1 + slack))]
+                               if (p.predicted_peak or 0) <= limit * (1 + tolerance))]
         if not self.verify:  # a predicted plan keeps a margin free: it is not verified
             top = room(limit) if self.target is not None else limit
             fits = [p for p in frontier if (p.predicted_peak or 0) <= top]
             if not fits:
-                raise infeasible(limit, self.measured_floor())
+                raise infeasible(limit, self.floor_budget())
             return self._named(fits[-1], name, limit)
         skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
         tried = 0
@@ -142,7 +142,7 @@ class Planning:
             tried += 0 if known else 1
             if tried >= _MAX_CORRECTIONS:
                 skip_above = (candidate.predicted_peak or 0) - (measured - limit)
-        raise infeasible(limit, self.measured_floor())
+        raise infeasible(limit, self.floor_budget())
 
     @property
     def unconstrained(self) -> Plan:

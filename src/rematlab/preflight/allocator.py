@@ -12,7 +12,7 @@ memory management; c10/cuda/CUDACachingAllocator.cpp), for predictions made off 
 A step's reserved peak lies above its allocated peak by the segments' unused tails and by
 cached blocks that do not fit later requests (fragmentation). The tails of the weights' and
 gradients' own segments are lost for good (`slack`): a card's budget is planned without them
-(`rematlab.planning.preflight.target_budget`), and the rest of fragmentation is left to the
+(`rematlab.planning.predicted.target_budget`), and the rest of fragmentation is left to the
 margin a real device keeps too. The CUDA context (driver and kernels, `Target.context`) is
 outside the allocator altogether.
 """

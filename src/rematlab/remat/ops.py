@@ -70,7 +70,7 @@ class OpCost:
     name: str
     index: int
     out_bytes: int
-    saved: bool
+    autograd_saves: bool  # autograd keeps this output for backward (Option.saved is bytes)
     view: bool
     inplace: bool
     random: bool
@@ -168,7 +168,7 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         ops.append(OpCost(
             name=name, index=counts[name],
             out_bytes=sum(b for key, b in outs if key not in mine),
-            saved=any(key in saved and key not in mine for key, _ in outs),
+            autograd_saves=any(key in saved and key not in mine for key, _ in outs),
             view=view, inplace=inplace or any(key in written for key, _ in outs),
             random=random, flops=flops,
             seconds=statistics.median(t[i] for t in timings if len(t) == len(rows))))
@@ -202,12 +202,12 @@ def save_sets(ops: list[OpCost]) -> list[tuple[tuple[str, int], ...]]:
       to recompute per byte, until a fraction of those outputs' bytes is given back."""
     cacheable = [o for o in ops if o.out_bytes > 0 and not (o.view or o.inplace or o.random)]
     matmuls = {(o.name, o.index) for o in cacheable if o.name in MATMULS}
-    kept = [o for o in cacheable if o.saved and o.name not in MATMULS]
-    autograd = {(o.name, o.index) for o in cacheable if o.saved}
+    kept = [o for o in cacheable if o.autograd_saves and o.name not in MATMULS]
+    autograd = {(o.name, o.index) for o in cacheable if o.autograd_saves}
     sets = [matmuls]
     if any(o.name in ATTENTION_CORE for o in cacheable):
         sets.append({(o.name, o.index) for o in cacheable if o.name not in ATTENTION_CORE
-                     and ((o.name, o.index) in matmuls or o.saved)})
+                     and ((o.name, o.index) in matmuls or o.autograd_saves)})
     dearest = sorted(kept, key=lambda o: o.seconds / o.out_bytes, reverse=True)
     total = sum(o.out_bytes for o in kept)
     for fraction in GREEDY_FRACTIONS:

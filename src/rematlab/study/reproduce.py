@@ -297,7 +297,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         # the configuration's own step: its optimizer, its autocast
         step = Step(precision=spec.precision, optimizer=spec.optimizer)
         planning = prepare(net, x, step=step, ops=settings.plan_ops)
-        costs, floor = planning.costs, planning.measured_floor()  # what choose accepts
+        costs, floor = planning.costs, planning.floor_budget()  # what choose accepts
         full, full_time = simulate(none_plan(costs.n), costs)
         full = max(full, floor)
         budgets = {int(floor + f * (full - floor)): f
