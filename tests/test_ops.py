@@ -160,11 +160,27 @@ def test_options_are_priced_at_what_a_step_under_them_measures_never_less(
                    - r["bwd_time"] for r in rows)
     timer = _StepTimes({"kept": 1.0, "options": 1.0 + measured * profiled})
     monkeypatch.setattr(layer_costs, "profile_timer", lambda _device: timer)
-    got = layer_costs._options_in_step(model, batch, layers, rows, Step())
+    got, kept = layer_costs._options_in_step(model, batch, layers, rows, Step())
     assert timer.ran == ["kept", "options"]
+    assert kept == 1.0  # the all-kept step's time, the profile's step time (timed once)
     for row, new in zip(rows, got, strict=True):
         plain = row["fwd_time"] + row["bwd_time"]
         for o, n in zip(row["options"], new["options"], strict=True):
             assert n.fwd_time == o.fwd_time and n.saved == o.saved
             assert n.fwd_time + n.bwd_time - plain == pytest.approx(
                 scale * (o.fwd_time + o.bwd_time - plain))
+
+
+def test_an_op_level_profile_times_the_all_kept_step_once(monkeypatch):
+    """With op-level menus the all-kept step is timed side by side with the all-option step,
+    and that is the profile's step time: the outer costs do not time it again."""
+    from rematlab.remat import layer_costs
+
+    timed_by_outer = []
+    real = layer_costs._step_time
+    monkeypatch.setattr(layer_costs, "_step_time",
+                        lambda *a: timed_by_outer.append(a[-1]) or real(*a))
+    model, batch = realzoo.gpt2(layers=2)
+    planning = rematlab.prepare(model.train(), batch, ops=True)
+    assert timed_by_outer == [0]  # outer_costs ran with no timed repeat
+    assert planning.costs.bwd_time[0] >= 0.0 and sum(planning.costs.fwd_time) > 0

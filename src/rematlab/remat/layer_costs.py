@@ -156,14 +156,21 @@ def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
         calls = capture(model, batch, layers)
     rows = [_profile_layer(layer, host_call, device, repeated, how)
             for layer, host_call in zip(layers, calls, strict=True)]
-    outer = outer_costs(model, batch, layers, how.step, how.repeats, how.target)
-    if how.ops and how.target is None and how.repeats:
-        rows = _options_in_step(model, batch, layers, rows, how.step)
+    in_step = how.ops and how.target is None and how.repeats > 0
+    # with op-level menus the all-kept step is timed side by side with the all-option one
+    # (`_options_in_step`), so the outer costs do not time it again
+    outer = outer_costs(model, batch, layers, how.step, 0 if in_step else how.repeats,
+                        how.target)
+    if in_step:
+        rows, kept = _options_in_step(model, batch, layers, rows, how.step)
+        outer["step_time"] = kept if kept is not None else _step_time(
+            attach(model, LayerRemat(layers, none_plan(len(layers) + 2))), batch, how.step,
+            how.repeats)
     return rows, outer
 
 
 def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                     rows: list[dict], step: Step) -> list[dict]:
+                     rows: list[dict], step: Step) -> tuple[list[dict], float | None]:
     """The layers' options with the time they take in a step. A layer profiled alone under
     selective checkpointing can cost far less than it does between other layers (on this
     CPU a Llama-style layer's "save mm×7, bmm×2" profiled at +7-9 ms and took +18-20 ms in the
@@ -172,12 +179,14 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
     with every layer under its first option are timed side by side (interleaved rounds, by
     the one timer), and each option's time beyond its plain layer is scaled by the measured
     extra over the profiled one; never scaled down, since the profile's own lower bounds
-    (`ops.block_options`) already hold."""
+    (`ops.block_options`) already hold. Also returns the all-kept step's median seconds (the
+    profile's step time), None when no option costs more than its layer and nothing was
+    timed."""
     menus = [r.get("options", []) for r in rows]
     predicted = sum(m[0].fwd_time + m[0].bwd_time - r["fwd_time"] - r["bwd_time"]
                     for r, m in zip(rows, menus, strict=True) if m)
     if predicted <= 0:
-        return rows
+        return rows, None
     n = len(layers) + 2
     optioned = Plan(n, (0, *(Selective.of(i, m[0]) if m else i
                              for i, m in enumerate(menus, start=1)), n - 1))
@@ -194,7 +203,7 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
         return {**row, "options": [
             replace(o, bwd_time=o.bwd_time + (scale - 1) * (o.fwd_time + o.bwd_time - plain))
             for o in row.get("options", [])]}
-    return [scaled(r) for r in rows]
+    return [scaled(r) for r in rows], timing.median("kept")
 
 
 def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
