@@ -67,14 +67,6 @@ def forward(model: Callable, batch: Batch, loss_fn: LossFn | None = None
     return out, (loss_fn or default_loss)(out, batch)
 
 
-def step(model: Callable, batch: Batch, loss_fn: LossFn | None = None) -> Any:
-    """Forward, loss and backward of one step; returns the output, alive until the caller
-    drops it (as a real loop keeps `out` until the step ends)."""
-    out, loss = forward(model, batch, loss_fn)
-    loss.backward()
-    return out
-
-
 @contextlib.contextmanager
 def preserved(module: nn.Module) -> Iterator[None]:
     """Run a throw-away step: gradients, buffers and the RNG are as before afterwards."""
