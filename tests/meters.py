@@ -8,9 +8,11 @@ from rematlab.core.optimizers import make_optimizer
 from rematlab.core.steps import default_loss
 
 
-def own_loop_peak(model, batch) -> int:
-    """The peak of the user's own loop, by torch's MemTracker (an independent meter): two
-    warm-up steps (optimizer state), then one tracked step, the output alive until the end."""
+def own_loop_peak(model, batch, meter: str = "memtracker") -> int:
+    """The peak of the user's own loop, by torch's MemTracker (an independent meter), or by
+    the live-storage tracker (`meter="live"`) for models with frozen parameters, which
+    MemTracker refuses: two warm-up steps (optimizer state), then one tracked step, the
+    output alive until the end."""
     opt = make_optimizer("momentum", model.parameters())
 
     def step():
@@ -23,6 +25,8 @@ def own_loop_peak(model, batch) -> int:
     step()
     step()
     opt.zero_grad(set_to_none=True)
+    if meter == "live":
+        return _live_peak(model, batch, opt, step)
     mt = MemTracker()
     mt.track_external(model, opt, *tensors(batch))
     with mt:

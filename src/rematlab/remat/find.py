@@ -6,6 +6,9 @@ Choosing by class or by name, never by tracing alone, as torch's
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 from torch import nn
 
 from rematlab.exceptions import ConfigError
@@ -16,9 +19,12 @@ def find_layers(model: nn.Module, names: str | list[str] | None = None
     """The layers to checkpoint, as (qualified name, module) in model order.
 
     `names`: submodule names; a `ModuleList`/`Sequential` stands for its children (`"transformer.h"`
-    -> every GPT-2 block). Without names: the most common way the ecosystem finds them — the
+    -> every GPT-2 block). Without names, every stack of the model, as the ecosystem finds them:
+    on transformers models the layers it marks as checkpointable (`GradientCheckpointingLayer`:
+    the encoder's and the decoder's, a vision tower's and a language model's). Elsewhere the
+    layers of every stack (`_stacked`), each not nested in another one; failing those, the
     class of module repeated (twice or more) inside a `ModuleList`/`Sequential` that holds the
-    most parameters, and every module of that class not nested in another one.
+    most parameters.
     """
     modules = dict(model.named_modules())
     if names:
@@ -42,24 +48,56 @@ def find_layers(model: nn.Module, names: str | list[str] | None = None
                     raise ConfigError(f"the layers named overlap: {a!r} and {b!r}; name each "
                                       "layer (or its stack) once")
         return found
-    classes = {type(c) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-               for c in m.children() if not isinstance(c, (nn.ModuleList, nn.Sequential))
+    marked = _outermost(model, lambda m: isinstance(m, _checkpointing_layer_class()))
+    if marked:
+        return marked
+    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    stacked = {id(c) for m in containers for c in _stacked(m)}
+    if stacked:
+        return _outermost(model, lambda m: id(m) in stacked)
+    # no stack of composite layers (a `ModuleList` of plain `Linear`s): the repeated class
+    # that holds the most parameters
+    classes = {type(c) for m in containers for c in m.children()
+               if not isinstance(c, (nn.ModuleList, nn.Sequential))
                and sum(type(o) is type(c) for o in m.children()) >= 2}
     if not classes:
         raise ConfigError(f"cannot find repeated layers in {type(model).__name__}: name them "
                           "with blocks=['path.to.layers'] (CLI: --blocks path.to.layers)")
 
     def size(cls: type) -> tuple[int, int]:
-        layers = _outermost(model, cls)
+        layers = _outermost(model, lambda m: type(m) is cls)
         return sum(p.numel() for _, m in layers for p in m.parameters()), len(layers)
 
-    return _outermost(model, max(classes, key=lambda c: (size(c), c.__name__)))
+    primary = max(classes, key=lambda c: (size(c), c.__name__))
+    return _outermost(model, lambda m: type(m) is primary)
 
 
-def _outermost(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
+def _stacked(container: nn.Module) -> list[nn.Module]:
+    """The layers of a stack held in `container`: its children of a class it holds twice or
+    more, each built of modules of its own and holding parameters (an encoder's layers, a
+    decoder's, a vision tower's blocks; not the two `Linear`s of an MLP's `Sequential`)."""
+    children = [c for c in container.children()
+                if not isinstance(c, (nn.ModuleList, nn.Sequential))
+                and any(True for _ in c.children()) and any(True for _ in c.parameters())]
+    return [c for c in children if sum(type(o) is type(c) for o in children) >= 2]
+
+
+def _checkpointing_layer_class() -> type | tuple[type, ...]:
+    """transformers' own mark on every layer it can checkpoint (`GradientCheckpointingLayer`,
+    transformers >= 4.52): its `gradient_checkpointing_enable()` checkpoints exactly these, in
+    every stack of the model. Looked up only where transformers is already imported (a model
+    of its classes is), so other models do not pay for importing it; else an empty tuple."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    return getattr(layers, "GradientCheckpointingLayer", ())
+
+
+def _outermost(model: nn.Module, chosen: Callable[[nn.Module], bool]
+               ) -> list[tuple[str, nn.Module]]:
+    """The chosen modules not nested in another chosen one, in model order (`named_modules`
+    visits a module before what it holds)."""
     out: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
-        if type(m) is cls and not any(name.startswith(f"{o}.") for o, _ in out):
+        if name and chosen(m) and not any(name.startswith(f"{o}.") for o, _ in out):
             out.append((name, m))
     return out
 

@@ -38,9 +38,17 @@ class Structure:
     def describe(self) -> str:
         if self.kind == "chain":
             return f"chain of {len(self.blocks)} blocks ({self.how})"
-        first = self.names[0] if self.names else "?"
-        return (f"{len(self.blocks)} layers ({self.how}: {first}, ...) run by the model's own "
-                "loop; single layers checkpointed")
+        return (f"{len(self.blocks)} layers ({self.how}: {self.stacks()}) run by the model's "
+                "own loop; single layers checkpointed")
+
+    def stacks(self) -> str:
+        """Each stack the layers come from, with how many layers it gives: "model.encoder.layers
+        x3, model.decoder.layers x3" (a layer's stack is the module that holds it)."""
+        counts: dict[str, int] = {}
+        for name in self.names:
+            stack = name.rpartition(".")[0] or name
+            counts[stack] = counts.get(stack, 0) + 1
+        return ", ".join(f"{stack} x{n}" for stack, n in counts.items()) or "unnamed"
 
 
 def structure(model: nn.Module, example: object = None,
