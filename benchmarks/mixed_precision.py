@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.hostmem import retain_freed_memory
+from rematlab.core import hostmem
 from rematlab.core.recipe import Step
 from rematlab.core.timer import Timer
 from rematlab.core.units import format_bytes
@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    host = retain_freed_memory()
+    hostmem.retain_freed_memory()
+    host = hostmem.describe()
     torch.set_num_threads(2)
     sizes = QUICK if args.quick else SIZES
     command = "python benchmarks/mixed_precision.py" + (" --quick" if args.quick else "")

@@ -17,7 +17,7 @@ rounds. A compiled fraction is timed in its own side-by-side run against keeping
 (dynamo keeps one compiled graph per model, so two fractions cannot share a run). Planning
 times are wall-clock seconds of one run. Each model's Pareto figure (measured peak against
 time ratio, every candidate) is written next to the document. The process keeps the memory it
-frees (`hostmem.retain_freed_memory`), so that a candidate's step does not pay page faults
+frees (`rematlab.core.hostmem`), so that a candidate's step does not pay page faults
 that depend on which candidate ran before it.
 """
 
@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hostmem import retain_freed_memory
 from real_models import _hf_layers, _side_by_side
 
+from rematlab.core import hostmem
 from rematlab.core.units import format_bytes
 from rematlab.measurement import zoo
 from rematlab.planning.planner import Planning, prepare
@@ -295,7 +295,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     rounds = 2 if args.quick else 5
-    allocator = retain_freed_memory()
+    hostmem.retain_freed_memory()
+    allocator = hostmem.describe()
     lines = ["| model | budget (floor → unconstrained) | budget | op-level plan | measured peak "
              "| op-level time / none | block plan | every_n_layers (largest that fits) | "
              "save matmuls | torch.compile (largest fraction that fits) | "

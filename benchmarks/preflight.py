@@ -12,7 +12,7 @@ peak, and whether it fits its budget is recorded. At the floor and the middle bu
 the plan checkpoints), the plan's step time as a ratio to keeping everything is measured side
 by side in interleaved rounds (`benchmarks/real_models._side_by_side`, the one timer under the
 interference guard; 7 rounds, median, with the rounds' spread) and compared with the
-predicted ratio. The process keeps the memory it frees (`hostmem.retain_freed_memory`): glibc's
+predicted ratio. The process keeps the memory it frees (`rematlab.core.hostmem`): glibc's
 default hands large blocks back to the system, and every step then pays page faults for
 them, a cost that moved measured ratios by up to 30 % from one process to the next.
 
@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hostmem import retain_freed_memory
 from real_models import SIZES, _side_by_side
 
+from rematlab.core import hostmem
 from rematlab.core.lora import add_lora
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
@@ -231,7 +231,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    allocator = retain_freed_memory()
+    hostmem.retain_freed_memory()
+    allocator = hostmem.describe()
     t0 = time.perf_counter()
     llama = part_two()
     rows, s = part_one(2 if args.quick else 7)

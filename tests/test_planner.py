@@ -7,7 +7,8 @@ import torch.nn.functional as F
 import rematlab
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.measurement import zoo
-from rematlab.planning.planner import AutoRemat, auto, plan, prepare
+from rematlab.planning.auto import AutoRemat, auto
+from rematlab.planning.planner import plan, prepare
 from rematlab.plans.fixed import none_plan, uniform_plan
 from rematlab.plans.plan import Plan
 from rematlab.plans.simulate import simulate

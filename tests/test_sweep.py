@@ -9,6 +9,7 @@ import duckdb
 import pandas as pd
 import pytest
 
+from rematlab.core import hostmem
 from rematlab.exceptions import ConfigError, StoreLockedError
 from rematlab.study.grid import load_grid
 from rematlab.study.store import MIGRATIONS, SCHEMA_VERSION, Store, load, trusted_only
@@ -117,6 +118,8 @@ def test_sweep_stores_rows_and_resumes_without_duplicates(tiny_db):
     assert len(summary) == 12 and (summary["n"] == 2).all()
     assert (summary["peak_bytes_median"] > 0).all()
     assert set(runs["vendor"]) == {"CPU"} and runs["method_peak"].notna().all()
+    # the workers are rematlab's own processes: freed host memory retained, and recorded
+    assert set(runs["host_allocator"]) == {hostmem.RETAINED}
     # the guard's evidence on every row, a verdict per configuration
     assert runs["trusted"].notna().all() and (runs["attempts"] >= 2).all()
     assert runs["calibration_s"].notna().all() and runs["method_guard"].notna().all()
@@ -253,10 +256,10 @@ def test_old_schema_is_migrated_forward_without_losing_rows(tmp_path):
     con.close()
     with Store(db) as store:
         assert store.schema_version() == SCHEMA_VERSION
-        rows = store.con.execute("SELECT config_id, reserved_bytes, trusted FROM runs"
-                                 ).fetchall()
+        rows = store.con.execute("SELECT config_id, reserved_bytes, trusted, host_allocator "
+                                 "FROM runs").fetchall()
         overhead = store.con.execute("SELECT harness_overhead FROM sweeps").fetchone()[0]
-    assert rows == [("abc", None, None)]
+    assert rows == [("abc", None, None, None)]
     assert overhead == pytest.approx(0.2)  # filled in for sweeps from before the column
     summary = load(db, "config_summary")
     kept, dropped = trusted_only(summary)  # rows from before the guard carry no evidence

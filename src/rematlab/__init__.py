@@ -17,8 +17,9 @@ from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabErro
 from rematlab.measurement import zoo
 from rematlab.measurement.measure import measure
 from rematlab.measurement.spec import Observation, Spec
+from rematlab.planning.auto import auto
 from rematlab.planning.maxbatch import max_batch
-from rematlab.planning.planner import Planning, auto, plan, prepare
+from rematlab.planning.planner import Planning, plan, prepare
 from rematlab.plans.plan import Plan
 from rematlab.preflight.targets import PROFILES, Target
 from rematlab.remat.strategies import apply, parse

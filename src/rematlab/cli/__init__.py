@@ -15,6 +15,8 @@ import typer
 
 from rematlab.cli import plans, study  # noqa: F401  (registers their commands on `app`)
 from rematlab.cli.app import app
+from rematlab.core import hostmem
+from rematlab.exceptions import RematlabError
 
 __all__ = ["app", "main"]
 
@@ -28,8 +30,14 @@ def _warning_line(message: Warning | str, category: type[Warning], *_: object, *
 def main() -> None:
     """The console entry point: typer's usage errors (a missing option, `--batch abc`) are
     one `error:` line and exit status 2, like every other bad input; warnings are one
-    `warning:` line each."""
+    `warning:` line each. The process keeps the host memory it frees, as every process of
+    rematlab's own does (`rematlab.core.hostmem`; `REMATLAB_HOST_ALLOCATOR=default` not)."""
     warnings.showwarning = _warning_line
+    try:  # a measuring process of rematlab's own (`rematlab.core.hostmem`)
+        hostmem.own_process()
+    except RematlabError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        sys.exit(2)
     # typer vendors its own click (typer._click) in recent releases; older ones use click
     click = getattr(typer, "_click", None) or importlib.import_module("click")
     command = typer.main.get_command(app)

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 
 import torch
 
+from rematlab.core import hostmem
 from rematlab.core.batch import DTYPES, FLOAT_DTYPES
 from rematlab.core.checks import MAX_BATCH_SIZE, MAX_VOCAB, bounded
 from rematlab.core.guard import NOISY, Evidence
@@ -232,6 +233,7 @@ def environment(device: torch.device) -> dict[str, str | int | None]:
         "host": socket.gethostname(),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "rematlab_version": __version__,
+        "host_allocator": hostmem.host_allocator(),
     }
 
 

@@ -16,20 +16,18 @@ partitioner make a different trade-off than eager execution (see docs/design.md)
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from rematlab.core.batch import call, check_batch, detached, one_tensor, tensors, to_device
+from rematlab.core.batch import check_batch, one_tensor, tensors, to_device
 from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn, runs_on
-from rematlab.core.units import format_bytes, infeasible
+from rematlab.core.units import infeasible
 from rematlab.exceptions import ConfigError
-from rematlab.planning.budget import DeviceBudget, checked, is_auto, resolve_budget
+from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
@@ -39,12 +37,10 @@ from rematlab.plans.solver import Solution, solve
 from rematlab.preflight.targets import Target
 from rematlab.remat.chain import compiling, profile_chain
 from rematlab.remat.layer_costs import profile_layers
-from rematlab.remat.strategies import apply
 from rematlab.remat.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
 COMPILED_TOLERANCE = 0.25  # compiled graphs save less than their blocks compiled alone
-_log = logging.getLogger("rematlab")
 
 
 @dataclass
@@ -281,99 +277,3 @@ def plan(
     """
     budget = checked(budget)  # a bad budget fails before any profiling
     return prepare(model, example_inputs, **kwargs).choose(budget)
-
-
-@dataclass(frozen=True)
-class Replan:
-    """One plan `AutoRemat` made: for which input shapes, why, within which budget."""
-
-    shapes: tuple
-    reason: str
-    budget: int
-    plan: str
-    peak: int
-
-
-class AutoRemat(nn.Module):
-    """Plans on the first training batch and re-plans, cached per input shape, when the
-    shapes change. Evaluation and no-grad calls run the model plainly. Takes the model's own
-    arguments (a tensor, several, or keywords as a Hugging Face model does).
-
-    With `budget="auto"` the budget is derived from the device for every new shape, and
-    derived again at most every `recheck_s` seconds of training calls: a cached plan whose
-    peak no longer fits (another process took memory) is re-planned, and so is one that
-    checkpoints while the budget has grown by more than `REGROW` (memory was freed: a faster
-    plan may fit). Every plan is logged on the `rematlab` logger and kept in `events`."""
-
-    REGROW = 1.25
-
-    def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
-                 blocks: list[nn.Module] | str | list[str] | None = None,
-                 loss_fn: LossFn | None = None, predict: bool = False, ops: bool = False,
-                 recheck_s: float = 10.0, step: Step | None = None) -> None:
-        super().__init__()
-        self.model = model
-        self.budget = checked(budget)  # 'auto' is derived again for every new shape
-        self.step = as_step(step, optimizer, loss_fn)
-        self.predict = predict
-        self.ops = ops
-        self.recheck_s = recheck_s
-        self._blocks = blocks
-        self.plans: dict[tuple, nn.Module] = {}
-        self.events: list[Replan] = []
-        self._chosen: dict[tuple, Plan] = {}
-        self._state: dict[tuple, int] = {}  # optimizer-state bytes each plan counted
-        self._checked = time.monotonic()
-        self._stepped = False  # after a training call the optimizer's state exists
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
-            return self.model(*args, **kwargs)
-        batch: Any = kwargs if not args else (args[0] if len(args) == 1 and not kwargs
-                                              else args)
-        if args and kwargs:
-            raise ConfigError("auto() takes positional or keyword inputs, not both")
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(batch))
-        if key not in self.plans:
-            self._plan(key, batch, "new input shapes")
-        elif is_auto(self.budget) and time.monotonic() - self._checked >= self.recheck_s:
-            self._recheck(key, batch)
-        self._stepped = True
-        return call(self.plans[key], batch)
-
-    def _recheck(self, key: tuple, batch: Any) -> None:
-        """Derive the budget again; re-plan when the cached plan no longer fits it, or when
-        it checkpoints and the budget has grown."""
-        self._checked = time.monotonic()
-        chosen = self._chosen[key]
-        now = derive(self.budget, self.model, batch, self._state[key]).nbytes
-        peak = chosen.measured_peak or chosen.predicted_peak or 0
-        if peak > now:
-            self._plan(key, batch, f"budget fell to {format_bytes(now)}, below the plan's "
-                                   f"peak {format_bytes(peak)}")
-        elif chosen.segments and now > self.REGROW * (chosen.budget or now):
-            self._plan(key, batch, f"budget grew to {format_bytes(now)} from "
-                                   f"{format_bytes(chosen.budget or 0)}")
-
-    def _plan(self, key: tuple, batch: Any, reason: str) -> None:
-        planning = prepare(self.model, detached(batch), step=self.step, blocks=self._blocks,
-                           predict=self.predict, ops=self.ops)
-        # after a training call the user's optimizer holds its state: resident, as the
-        # parameters are (CPU; on CUDA the process's held memory already counts it)
-        state = planning.costs.state if self._stepped else 0
-        derived = derive(self.budget, self.model, batch, state)
-        chosen = planning.choose(derived.nbytes)
-        self._chosen[key], self._state[key] = chosen, planning.costs.state
-        self.plans[key] = apply(self.model, chosen, blocks=self._blocks, example_input=batch)
-        event = Replan(tuple(k[0] for k in key), reason, derived.nbytes, chosen.describe(),
-                       chosen.measured_peak or chosen.predicted_peak or 0)
-        self.events.append(event)
-        _log.info("rematlab.auto: planned %s for shapes %s (%s): budget %s (%s)",
-                  event.plan, event.shapes, reason, format_bytes(derived.nbytes), derived.how)
-
-
-def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:
-    """`model` wrapped so that every new input shape gets its own optimal plan."""
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"auto() needs an nn.Module, got {type(model).__name__}")
-    return AutoRemat(model, budget, **kwargs)

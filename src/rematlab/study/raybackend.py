@@ -12,10 +12,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from rematlab.core import hostmem
 from rematlab.core.guard import MAX_WAIT_S
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.measure import failed_row, run_config
 from rematlab.measurement.spec import Spec
+
+
+def _run_config(*args: object) -> dict:
+    """`run_config` in a Ray worker, a process of rematlab's own: under its host allocator
+    setting (`rematlab.core.hostmem`), as the local sweep's workers are."""
+    hostmem.own_process()
+    return run_config(*args)
 
 
 def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
@@ -33,7 +41,8 @@ def run_on_ray(specs: list[Spec], timeout: float, record: Callable[[Spec, dict],
                  logging_level="ERROR", **kwargs)
     try:
         node_cpus = int(ray.cluster_resources().get("CPU", 1))
-        remote = ray.remote(max_calls=1)(run_config)
+        hostmem.asked()  # checked here, applied in each task's process
+        remote = ray.remote(max_calls=1)(_run_config)
         pending = {}
         for spec in specs:
             if spec.device.startswith("cuda"):

@@ -24,7 +24,7 @@ import pandas as pd
 from rematlab.core.files import atomic_path, refuse_overwriting_inputs
 from rematlab.exceptions import ConfigError, StoreLockedError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Column name -> DuckDB type. Order is the table's column order.
 RUN_COLUMNS: dict[str, str] = {
@@ -53,6 +53,7 @@ RUN_COLUMNS: dict[str, str] = {
     "threads": "INTEGER", "host": "VARCHAR", "timestamp": "VARCHAR",
     "rematlab_version": "VARCHAR",
     "cfg_precision": "VARCHAR",
+    "host_allocator": "VARCHAR",
 }
 
 # the guard's evidence (schema v3): one value per configuration, on each of its rows
@@ -60,7 +61,7 @@ GUARD_COLUMNS = ("method_guard", "calibration_s", "attempts", "calibration_drift
                  "step_spread", "foreign_load", "trusted", "calibration_reference_s")
 _V1_COLUMNS = [k for k in RUN_COLUMNS
                if k not in ("reserved_bytes", "steps_per_repeat", "waited_s", "cfg_precision",
-                            *GUARD_COLUMNS)]
+                            "host_allocator", *GUARD_COLUMNS)]
 
 _SUMMARY_FIGURES = ("step_s", "forward_s", "backward_s", "recompute_s", "optimizer_s",
                     "peak_bytes")
@@ -93,6 +94,9 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE sweeps ADD COLUMN waited_s DOUBLE"],
     # v5: the step's autocast (`Spec.precision`); rows from before it are fp32 (NULL)
     4: ["ALTER TABLE runs ADD COLUMN cfg_precision VARCHAR"],
+    # v6: the host allocator a row was measured under (`rematlab.core.hostmem`); rows from
+    # before it ran under the C library's defaults, unless a benchmark changed them (NULL)
+    5: ["ALTER TABLE runs ADD COLUMN host_allocator VARCHAR"],
 }
 
 

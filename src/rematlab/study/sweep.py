@@ -43,6 +43,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from rematlab.core import hostmem
 from rematlab.core.guard import MAX_WAIT_S
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.measure import failed_row, run_config
@@ -107,6 +108,7 @@ def _serve(conn, lifeline) -> None:
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
     threading.Thread(target=_die_with_driver, args=(lifeline,), daemon=True).start()
+    hostmem.own_process()  # checked by the driver (`sweep`) before any worker starts
     threads = torch.get_num_threads()  # a configuration without a setting gets the default
     try:
         while (job := conn.recv()) is not None:
@@ -227,6 +229,7 @@ def sweep(
     finished so far; running it again resumes."""
     if backend not in ("local", "ray"):
         raise ConfigError(f"unknown backend {backend!r}; choose local or ray")
+    hostmem.asked()  # the workers' host allocator setting, checked before any starts
     specs = grid.expand()
     for device in grid.devices:  # a grid may name GPUs for a dry run; a run needs them here
         available(parse_device(device))

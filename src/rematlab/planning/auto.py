@@ -1,0 +1,174 @@
+"""`rematlab.auto`: a model wrapped so that it plans on its first training batch and again
+for each new bucket of input shapes (`rematlab.planning.shapes`), and when a derived budget
+stops holding."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematlab.core.batch import call, detached, tensors
+from rematlab.core.recipe import Step, as_step
+from rematlab.core.steps import LossFn
+from rematlab.core.units import format_bytes
+from rematlab.exceptions import ConfigError
+from rematlab.planning.budget import checked, is_auto
+from rematlab.planning.planner import Planning, derive, prepare
+from rematlab.planning.shapes import ShapeBuckets, Shapes, covers, shapes_of, tiled
+from rematlab.plans.plan import Plan
+from rematlab.remat.strategies import apply
+
+_log = logging.getLogger("rematlab")
+
+
+@dataclass(frozen=True)
+class Replan:
+    """One plan `AutoRemat` made: for which input shapes (the batch's; `profiled`, the
+    bucket's largest, where it was made), why, within which budget."""
+
+    shapes: tuple
+    reason: str
+    budget: int
+    plan: str
+    peak: int
+    profiled: tuple = ()
+
+
+class AutoRemat(nn.Module):
+    """Plans on the first training batch and again for each new bucket of input shapes
+    (`rematlab.planning.shapes`: the dimensions that change, rounded up to powers of two; the
+    plan is made at the bucket's largest shape and reused for every shape it covers), so
+    dynamic padding profiles a few times, not every step; `shape_buckets=False` plans every
+    exact shape. Evaluation and no-grad calls run the model plainly. Takes the model's own
+    arguments (a tensor, several, or keywords as a Hugging Face model does).
+
+    With `budget="auto"` the budget is derived from the device for every new bucket, and
+    derived again at most every `recheck_s` seconds of training calls: a cached plan whose
+    peak no longer fits (another process took memory) is re-planned, and so is one that
+    checkpoints while the budget has grown by more than `REGROW` (memory was freed: a faster
+    plan may fit). Every plan is logged on the `rematlab` logger and kept in `events`;
+    `planned` counts them."""
+
+    REGROW = 1.25
+
+    def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
+                 blocks: list[nn.Module] | str | list[str] | None = None,
+                 loss_fn: LossFn | None = None, predict: bool = False, ops: bool = False,
+                 recheck_s: float = 10.0, step: Step | None = None,
+                 shape_buckets: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.budget = checked(budget)  # 'auto' is derived again for every new shape
+        self.step = as_step(step, optimizer, loss_fn)
+        self.predict = predict
+        self.ops = ops
+        self.recheck_s = recheck_s
+        self.shape_buckets = shape_buckets
+        self._blocks = blocks
+        self.plans: dict[tuple, nn.Module] = {}  # by bucket: (dtypes and devices, shapes)
+        self.events: list[Replan] = []
+        self._buckets = ShapeBuckets()
+        self._profiled: dict[tuple, Shapes] = {}  # the shapes each bucket's plan was made at
+        self._chosen: dict[tuple, Plan] = {}
+        self._state: dict[tuple, int] = {}  # optimizer-state bytes each plan counted
+        self._checked = time.monotonic()
+        self._stepped = False  # after a training call the optimizer's state exists
+
+    @property
+    def planned(self) -> int:
+        """How many times this wrapper has profiled and planned."""
+        return len(self.events)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*args, **kwargs)
+        batch: Any = kwargs if not args else (args[0] if len(args) == 1 and not kwargs
+                                              else args)
+        if args and kwargs:
+            raise ConfigError("auto() takes positional or keyword inputs, not both")
+        key = self._bucket(batch)
+        if key not in self.plans or not covers(self._profiled[key], shapes_of(batch)):
+            self._plan(key, batch, "new input shapes")
+        elif is_auto(self.budget) and time.monotonic() - self._checked >= self.recheck_s:
+            self._recheck(key, batch)
+        self._stepped = True
+        return call(self.plans[key], batch)
+
+    def _bucket(self, batch: Any) -> tuple:
+        """The key of `batch`'s plan: its tensors' dtypes and devices, and its bucket's
+        largest shapes (its own shapes without buckets). A bucket with no plan covering the
+        batch yet takes that of an earlier bucket made at shapes covering it, if any (the
+        first batch's, made before any dimension was seen to change); until a plan is made at
+        the bucket's largest shapes, a larger batch in it is planned again."""
+        kinds = tuple((t.dtype, t.device) for t in tensors(batch))
+        shapes = shapes_of(batch)
+        if not self.shape_buckets:
+            return kinds, shapes
+        self._buckets.observe(shapes)
+        key = (kinds, self._buckets.top(shapes))
+        if key not in self.plans or not covers(self._profiled[key], shapes):
+            earlier = next((k for k, made in self._profiled.items()
+                            if k[0] == kinds and covers(made, shapes)
+                            and self._buckets.top(made) == key[1]), None)
+            if earlier is not None:
+                for table in (self.plans, self._profiled, self._chosen, self._state):
+                    table[key] = table[earlier]
+        return key
+
+    def _recheck(self, key: tuple, batch: Any) -> None:
+        """Derive the budget again; re-plan when the cached plan no longer fits it, or when
+        it checkpoints and the budget has grown."""
+        self._checked = time.monotonic()
+        chosen = self._chosen[key]
+        now = derive(self.budget, self.model, batch, self._state[key]).nbytes
+        peak = chosen.measured_peak or chosen.predicted_peak or 0
+        if peak > now:
+            self._plan(key, batch, f"budget fell to {format_bytes(now)}, below the plan's "
+                                   f"peak {format_bytes(peak)}")
+        elif chosen.segments and now > self.REGROW * (chosen.budget or now):
+            self._plan(key, batch, f"budget grew to {format_bytes(now)} from "
+                                   f"{format_bytes(chosen.budget or 0)}")
+
+    def _plan(self, key: tuple, batch: Any, reason: str) -> None:
+        """Plan at the bucket's largest shapes (the batch tiled up to them); at the batch's
+        own where the model cannot take those (a sequence past its position table)."""
+        example = tiled(detached(batch), key[1])
+        try:
+            planning = self._prepare(example)
+        except ConfigError as exc:
+            if shapes_of(example) == shapes_of(batch):
+                raise
+            _log.info("rematlab.auto: planning at the batch's own shapes: the bucket's "
+                      "largest (%s) failed: %s", key[1], exc)
+            example = detached(batch)
+            planning = self._prepare(example)
+        # after a training call the user's optimizer holds its state: resident, as the
+        # parameters are (CPU; on CUDA the process's held memory already counts it)
+        state = planning.costs.state if self._stepped else 0
+        derived = derive(self.budget, self.model, example, state)
+        chosen = planning.choose(derived.nbytes)
+        self._chosen[key], self._state[key] = chosen, planning.costs.state
+        self._profiled[key] = shapes_of(example)
+        self.plans[key] = apply(self.model, chosen, blocks=self._blocks, example_input=example)
+        event = Replan(shapes_of(batch), reason, derived.nbytes, chosen.describe(),
+                       chosen.measured_peak or chosen.predicted_peak or 0, shapes_of(example))
+        self.events.append(event)
+        _log.info("rematlab.auto: plan %d, %s, for shapes %s (profiled at %s; %s): budget %s "
+                  "(%s)", self.planned, event.plan, event.shapes, event.profiled, reason,
+                  format_bytes(derived.nbytes), derived.how)
+
+    def _prepare(self, example: Any) -> Planning:
+        return prepare(self.model, example, step=self.step, blocks=self._blocks,
+                       predict=self.predict, ops=self.ops)
+
+
+def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:
+    """`model` wrapped so that every new input shape gets its own optimal plan."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"auto() needs an nn.Module, got {type(model).__name__}")
+    return AutoRemat(model, budget, **kwargs)
