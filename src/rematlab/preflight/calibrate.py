@@ -132,7 +132,6 @@ def measure(kind: str = "cpu") -> dict:
     return dict(
         name=kind, kind=device.type, memory=memory,
         flops={"float32": statistics.median(mm32), "bfloat16": low, "float16": low},
-        vector={"float32": 1e30, "bfloat16": 1e30, "float16": 1e30},  # priced by bytes
         bandwidth=statistics.median(moves),
         overhead=(overhead / 2, overhead, 2 * overhead),
         efficiency=_spread(mm32), bandwidth_efficiency=_spread(moves),

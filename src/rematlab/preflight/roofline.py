@@ -23,7 +23,7 @@ from torch.utils.flop_counter import flop_registry
 
 CONV = frozenset(("convolution", "convolution_backward", "_convolution"))
 FREE = frozenset(("detach", "alias", "lift_fresh", "empty", "empty_strided", "empty_like",
-                  "new_empty", "new_empty_strided", "_to_copy_meta", "set_", "resize_"))
+                  "new_empty", "new_empty_strided", "set_", "resize_"))
 
 
 @dataclass(frozen=True)

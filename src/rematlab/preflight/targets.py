@@ -39,16 +39,16 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class Target:
-    """A device to plan for. `flops` maps a dtype name to peak matmul FLOP/s, `vector` to
-    peak elementwise FLOP/s; `bandwidth` is memory bytes/s; `overhead` seconds per op (launch
-    and dispatch); `efficiency` and `bandwidth_efficiency` the (slowest, typical, fastest)
-    fractions of those peaks reached. `calibrated`: the figures were measured here."""
+    """A device to plan for. `flops` maps a dtype name to peak matmul FLOP/s; `bandwidth` is
+    memory bytes/s, what every other op is priced by (`rematlab.preflight.roofline`);
+    `overhead` seconds per op (launch and dispatch); `efficiency` and `bandwidth_efficiency`
+    the (slowest, typical, fastest) fractions of those peaks reached. `calibrated`: the
+    figures were measured here."""
 
     name: str
     kind: str  # "cpu" or "cuda" (ROCm runs through torch.cuda too)
     memory: int
     flops: dict[str, float]
-    vector: dict[str, float]
     bandwidth: float
     overhead: tuple[float, float, float]
     efficiency: tuple[float, float, float] = (0.35, 0.6, 0.8)
@@ -72,21 +72,16 @@ class Target:
     def matmul_rate(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"])
 
-    def vector_rate(self, dtype: str) -> float:
-        return self.vector.get(dtype, self.vector["float32"])
-
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, vector32: float,
-         bandwidth: float, source: str, workspace: int = 32 * MiB) -> Target:
+def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
+         source: str, workspace: int = 32 * MiB) -> Target:
     tera = 1e12
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
         flops={"float32": fp32 * tera, "bfloat16": bf16 * tera, "float16": bf16 * tera},
-        vector={"float32": vector32 * tera, "bfloat16": 2 * vector32 * tera,
-                "float16": 2 * vector32 * tera},
         bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6),
         context=CUDA_CONTEXT, workspace=workspace, source=source)
 
@@ -99,20 +94,20 @@ CUDA_CONTEXT = 512 * MiB
 # Data sheets (dense tensor-core peaks; FP32 is non-tensor FP32, which PyTorch uses for fp32
 # matmuls unless TF32 is switched on):
 PROFILES: dict[str, Target] = {t.name: t for t in (
-    _gpu("a100-80gb", 81920, 19.5, 312, 19.5, 2.039e12,
+    _gpu("a100-80gb", 81920, 19.5, 312, 2.039e12,
          "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 "
          "TFLOPS, HBM2e 2,039 GB/s", workspace=8 * MiB),
-    _gpu("h100-80gb", 81559, 67, 989.4, 67, 3.35e12,
+    _gpu("h100-80gb", 81559, 67, 989.4, 3.35e12,
          "NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOPS, BF16 989 TFLOPS "
          "(1,979 with sparsity), HBM3 3.35 TB/s"),
-    _gpu("h200", 143771, 67, 989.4, 67, 4.8e12,
+    _gpu("h200", 143771, 67, 989.4, 4.8e12,
          "NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOPS, BF16 989 TFLOPS, "
          "HBM3e 141 GB at 4.8 TB/s"),
-    _gpu("rtx4090", 24564, 82.6, 165.2, 82.6, 1.008e12,
+    _gpu("rtx4090", 24564, 82.6, 165.2, 1.008e12,
          "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GeForce RTX 4090): "
          "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s",
          workspace=8 * MiB),
-    _gpu("mi300x", 196608, 163.4, 1307.4, 163.4, 5.3e12,
+    _gpu("mi300x", 196608, 163.4, 1307.4, 5.3e12,
          "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
          " HBM3 192 GB at 5.3 TB/s", workspace=8 * MiB),
 )}
@@ -133,10 +128,8 @@ def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> floa
     total = 0.0
     for op in ops:
         rate = measured.get(op.name)
-        if op.kind == "vector":
-            by_bytes = op.nbytes / ((rate or target.bandwidth) * beff)
-            by_flops = op.flops / (target.vector_rate(op.dtype) * eff) if op.flops else 0.0
-            took = max(by_bytes, by_flops)
+        if op.kind == "vector":  # no FLOP formula: moves bytes
+            took = op.nbytes / ((rate or target.bandwidth) * beff)
         else:
             peak = target.matmul_rate(op.dtype)
             if rate is None or op.dtype != "float32":  # calibrated in fp32
@@ -210,7 +203,7 @@ def _from_fields(fields: dict, where: str) -> Target:
     if isinstance(flops, (int, float)):
         flops = {"float32": float(flops)}
     try:
-        base = _gpu(str(fields["name"]), 0, 1, 1, 1, 1.0, str(fields.get("source", where)))
+        base = _gpu(str(fields["name"]), 0, 1, 1, 1.0, str(fields.get("source", where)))
         known = {k: v for k, v in fields.items() if k in Target.__dataclass_fields__}
         return Target(**{
             **asdict(base), "kind": kind,
@@ -218,7 +211,6 @@ def _from_fields(fields: dict, where: str) -> Target:
             **known,
             "memory": parse_bytes(memory) if isinstance(memory, str) else int(memory),
             "flops": {k: float(v) for k, v in flops.items()},
-            "vector": {k: float(v) for k, v in fields.get("vector", flops).items()},
             "overhead": tuple(fields.get("overhead", base.overhead)),
             "efficiency": tuple(fields.get("efficiency", base.efficiency)),
             "bandwidth_efficiency": tuple(fields.get("bandwidth_efficiency",
