@@ -127,3 +127,78 @@ def test_report_says_what_its_grid_is_for(tmp_path):
     plain, _ = render(StudyResults(grid="g", summary=summary, runs=synthetic.runs(summary)),
                       tmp_path / "plain")
     assert "demo grid" not in plain.read_text()
+
+
+def _figures(monkeypatch, fn, *args, tidy: bool = True) -> list:
+    """The matplotlib figures `fn` draws, as `_png` receives them (after its tidying, or,
+    with `tidy=False`, as drawn)."""
+    from rematlab.study import report
+
+    seen, encode = [], report._png
+    if not tidy:
+        monkeypatch.setattr(report, "_no_overlapping_ticks", lambda fig: fig.canvas.draw())
+
+    def keep(fig):
+        seen.append(fig)
+        return encode(fig)
+
+    monkeypatch.setattr(report, "_png", keep)
+    fn(*args)
+    return seen
+
+
+def _hollow(ax) -> int:
+    return sum(len(c.get_offsets()) for c in ax.collections
+               if len(c.get_facecolors()) == 0 and len(c.get_offsets()))
+
+
+def test_untrusted_points_are_hollow_and_named_in_the_legend(monkeypatch):
+    from rematlab.study.report import UNTRUSTED, pareto_figure, ratio_figure
+
+    summary = synthetic.summary({"lenet5": (0.6, 1.3)}, batches=(16, 32, 64))
+    summary["trusted"] = True
+    summary.loc[summary["cfg_batch"] == 32, "trusted"] = False  # a busy spell: 4 strategies
+    plans = pd.DataFrame([{"model": "lenet5", "step_s": s, "measured_peak": 3e7,
+                           "trusted": t} for s, t in ((0.5, True), (1.7, False))])
+    fig, = _figures(monkeypatch, pareto_figure, summary, plans)
+    assert _hollow(fig.axes[0]) == 4 + 1  # the 4 configurations and the planner's point
+    assert UNTRUSTED in [t.get_text() for t in fig.legends[0].get_texts()]
+    fig, = _figures(monkeypatch, ratio_figure, summary)
+    # 3 strategies against none at batch 32, on the memory and the time panel
+    assert [_hollow(ax) for ax in fig.axes] == [3, 3]
+    summary["trusted"] = True
+    fig, = _figures(monkeypatch, ratio_figure, summary)
+    assert [_hollow(ax) for ax in fig.axes] == [0, 0]
+
+
+def _overlaps(fig) -> int:
+    """Pairs of tick labels that meet, the figure drawn again as a PNG is (`_png` closed it)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    count = 0
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            boxes = [t.label1.get_window_extent(renderer)
+                     for t in [*axis.get_major_ticks(), *axis.get_minor_ticks()]
+                     if t.label1.get_visible() and t.label1.get_text()
+                     and lo <= t.get_loc() <= hi]
+            count += sum(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    return count
+
+
+def test_tick_labels_never_overlap(monkeypatch):
+    from rematlab.study.report import pareto_figure
+
+    # step times over about a decade (a log axis then labels minor ticks too), six panels
+    summary = synthetic.summary({f"m{i}": (0.7, 1.05) for i in range(6)}, batches=(15, 140))
+    drawn, = _figures(monkeypatch, pareto_figure, summary, pd.DataFrame(), tidy=False)
+    assert _overlaps(drawn) > 0  # the case the tidying is for
+    monkeypatch.undo()
+    tidy, = _figures(monkeypatch, pareto_figure, summary, pd.DataFrame())
+    assert _overlaps(tidy) == 0
+    assert all(sum(t.label1.get_visible() and bool(t.label1.get_text())
+                   for t in ax.xaxis.get_major_ticks() + ax.xaxis.get_minor_ticks()) >= 2
+               for ax in tidy.axes if ax.get_visible() and ax.has_data())

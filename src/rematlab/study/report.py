@@ -47,7 +47,60 @@ class StudyResults:
     about: str = ""  # what the grid is for (its `[study] about`), shown at the top
 
 
+UNTRUSTED = "hollow: untrusted (timed on a busy machine)"
+
+
+def _trusted(frame: pd.DataFrame) -> pd.Series:
+    """Which rows the interference guard trusted; rows without a verdict (measured before the
+    guard) count as trusted, as the analyses count them (`store.trusted_only`)."""
+    if "trusted" not in frame:
+        return pd.Series(True, index=frame.index)
+    return frame["trusted"].map(lambda v: True if pd.isna(v) else bool(v)).astype(bool)
+
+
+def _points(ax: plt.Axes, x: pd.Series, y: pd.Series, trusted: pd.Series, **style) -> None:
+    """A scatter whose untrusted points are hollow (`UNTRUSTED`), in the same color."""
+    color = style.pop("color")
+    label = style.pop("label", None)
+    ax.scatter(x[trusted], y[trusted], color=color, label=label, **style)
+    if (~trusted).any():
+        ax.scatter(x[~trusted], y[~trusted], facecolors="none", edgecolors=color, **style)
+
+
+def _untrusted_legend(fig: plt.Figure, handles: list, labels: list) -> None:
+    """The figure's legend, with an entry saying what a hollow point is."""
+    handles = [*handles, plt.Line2D([], [], marker="o", ls="", markerfacecolor="none",
+                                    markeredgecolor="gray")]
+    fig.legend(handles, [*labels, UNTRUSTED], loc="upper center",
+               ncol=min(8, len(labels) + 1), fontsize=8)
+
+
+def _no_overlapping_ticks(fig: plt.Figure) -> None:
+    """Hide tick labels that would overlap a neighbour (a log axis over less than a decade
+    labels its minor ticks too, and a narrow panel runs them together): major labels are
+    kept first, each dropped where it meets one already kept, then minor labels where they
+    meet none."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            kept: list = []
+            for ticks in (axis.get_major_ticks(), axis.get_minor_ticks()):
+                for tick in sorted(ticks, key=lambda t: t.get_loc()):
+                    label = tick.label1
+                    if not (label.get_visible() and label.get_text()
+                            and lo <= tick.get_loc() <= hi):
+                        continue
+                    box = label.get_window_extent(renderer).expanded(1.05, 1.0)
+                    if any(box.overlaps(k) for k in kept):
+                        label.set_visible(False)
+                    else:
+                        kept.append(box)
+
+
 def _png(fig: plt.Figure) -> str:
+    _no_overlapping_ticks(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -56,7 +109,7 @@ def _png(fig: plt.Figure) -> str:
 
 def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
     """Peak memory against step time per architecture: every strategy and batch size, the
-    planner's plans as stars."""
+    planner's plans as stars; what the guard did not trust is hollow."""
     ok = summary[summary["outcome"] == "ok"]
     models = sorted(ok["cfg_model"].unique())
     cols = min(3, max(1, len(models)))
@@ -67,8 +120,8 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
     for ax, model in zip(axes.flat, models, strict=False):
         g = ok[ok["cfg_model"] == model]
         for s, h in g.groupby("cfg_strategy"):
-            ax.scatter(h["step_s_median"] * 1e3, h["peak_bytes_median"] / 2**20, s=22,
-                       color=colors[s], label=s)
+            _points(ax, h["step_s_median"] * 1e3, h["peak_bytes_median"] / 2**20, _trusted(h),
+                    s=22, color=colors[s], label=s)
             for _, r in h.iterrows():
                 ax.annotate(str(r["cfg_batch"]), (r["step_s_median"] * 1e3,
                                                   r["peak_bytes_median"] / 2**20),
@@ -76,8 +129,8 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
         if not plans.empty:
             p = plans[(plans["model"] == model) & plans["step_s"].notna()]
             if len(p):
-                ax.scatter(p["step_s"] * 1e3, p["measured_peak"] / 2**20, marker="*", s=140,
-                           color="black", label="planner")
+                _points(ax, p["step_s"] * 1e3, p["measured_peak"] / 2**20, _trusted(p),
+                        marker="*", s=140, color="black", label="planner")
         ax.set_xscale("log")
         ax.set_title(model)
         ax.set_xlabel("step time (ms, median)")
@@ -86,7 +139,7 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
     for ax in list(axes.flat)[len(models):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(8, len(labels)), fontsize=8)
+    _untrusted_legend(fig, handles, labels)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return _png(fig)
 
@@ -94,13 +147,17 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
 def ratio_figure(summary: pd.DataFrame) -> str | None:
     """Per architecture, peak memory and step time of each strategy as a ratio to `none` at
     the same batch size, against the batch size: where a strategy saves memory, and what it
-    costs in time, as the batch grows."""
-    ok = summary[summary["outcome"] == "ok"]
-    cols = ["cfg_model", "cfg_batch", "cfg_strategy", "peak_bytes_median", "step_s_median"]
+    costs in time, as the batch grows. A ratio either of whose times the guard did not trust
+    is a hollow point."""
+    ok = summary[summary["outcome"] == "ok"].assign(trusted=lambda f: _trusted(f))
+    cols = ["cfg_model", "cfg_batch", "cfg_strategy", "peak_bytes_median", "step_s_median",
+            "trusted"]
     base = ok[ok["cfg_strategy"] == "none"][cols].rename(
-        columns={"peak_bytes_median": "peak_none", "step_s_median": "time_none"})
+        columns={"peak_bytes_median": "peak_none", "step_s_median": "time_none",
+                 "trusted": "trusted_none"})
     other = ok[ok["cfg_strategy"] != "none"][cols].merge(
         base.drop(columns="cfg_strategy"), on=["cfg_model", "cfg_batch"])
+    other["trusted"] = other["trusted"] & other["trusted_none"]
     if other.empty:
         return None
     models = sorted(other["cfg_model"].unique())
@@ -111,10 +168,11 @@ def ratio_figure(summary: pd.DataFrame) -> str | None:
         g = other[other["cfg_model"] == model]
         for s, h in g.groupby("cfg_strategy"):
             h = h.sort_values("cfg_batch")
-            axes[0, j].plot(h["cfg_batch"], h["peak_bytes_median"] / h["peak_none"],
-                            marker="o", ms=3, color=colors[s], label=s)
-            axes[1, j].plot(h["cfg_batch"], h["step_s_median"] / h["time_none"], marker="o",
-                            ms=3, color=colors[s], label=s)
+            for i, ratio in enumerate((h["peak_bytes_median"] / h["peak_none"],
+                                       h["step_s_median"] / h["time_none"])):
+                axes[i, j].plot(h["cfg_batch"], ratio, color=colors[s], lw=1, label=s)
+                _points(axes[i, j], h["cfg_batch"], ratio, h["trusted"], s=12,
+                        color=colors[s])
         axes[0, j].set_title(model)
         for i, label in enumerate(("peak memory / none", "step time / none")):
             ax = axes[i, j]
@@ -125,7 +183,7 @@ def ratio_figure(summary: pd.DataFrame) -> str | None:
                 ax.set_ylabel(label)
             ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(8, len(labels)), fontsize=8)
+    _untrusted_legend(fig, handles, labels)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return _png(fig)
 

@@ -323,6 +323,7 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
                          "predicted_overhead": overhead(chosen.predicted_time or 0.0,
                                                        full_time),
                          "step_s": obs.median() if obs.outcome == "ok" else None,
+                         "trusted": obs.evidence.trusted if obs.evidence else None,
                          # the best uniform count that fits the same budget (simulated)
                          "uniform": uniform["strategy"] if uniform else None,
                          "uniform_fits": bool(uniform and uniform["fits"]),
