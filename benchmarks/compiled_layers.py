@@ -26,7 +26,7 @@ from rematlab.core.batch import call
 from rematlab.core.steps import default_loss
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
-from rematlab.remat.chain import compiling
+from rematlab.remat.block import compiling
 from rematlab.study.tables import markdown_table
 
 MODELS = {

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.publish import publish
 from rematlab.core import hostmem
 
 CONFIGS = [
@@ -83,9 +86,7 @@ def main() -> None:
         *rows,
         "",
     ])
-    if opts.out:
-        opts.out.write_text(text)
-    print(text)
+    publish(text, opts.out)
 
 
 if __name__ == "__main__":

@@ -24,22 +24,24 @@ def _text(batch: int, seq: int) -> dict:
     return {"input_ids": ids, "labels": torch.randint(3, 97, (batch, seq))}
 
 
+def _seq2seq(config: type, model: type, batch: int, seq: int, layers: int, width: int
+             ) -> tuple[nn.Module, dict]:
+    """BART and Marian: encoder and decoder layers of two classes, alike in size."""
+    cfg = config(encoder_layers=layers, decoder_layers=layers, d_model=width,
+                 encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=2 * width, decoder_ffn_dim=2 * width,
+                 max_position_embeddings=max(64, seq), **_TOKENS)
+    return model(cfg), _text(batch, seq)
+
+
 def bart(batch: int = 4, seq: int = 32, layers: int = 3, width: int = 64
          ) -> tuple[nn.Module, dict]:
-    cfg = BartConfig(encoder_layers=layers, decoder_layers=layers, d_model=width,
-                     encoder_attention_heads=4, decoder_attention_heads=4,
-                     encoder_ffn_dim=2 * width, decoder_ffn_dim=2 * width,
-                     max_position_embeddings=max(64, seq), **_TOKENS)
-    return BartForConditionalGeneration(cfg), _text(batch, seq)
+    return _seq2seq(BartConfig, BartForConditionalGeneration, batch, seq, layers, width)
 
 
 def marian(batch: int = 4, seq: int = 32, layers: int = 3, width: int = 64
            ) -> tuple[nn.Module, dict]:
-    cfg = MarianConfig(encoder_layers=layers, decoder_layers=layers, d_model=width,
-                       encoder_attention_heads=4, decoder_attention_heads=4,
-                       encoder_ffn_dim=2 * width, decoder_ffn_dim=2 * width,
-                       max_position_embeddings=max(64, seq), **_TOKENS)
-    return MarianMTModel(cfg), _text(batch, seq)
+    return _seq2seq(MarianConfig, MarianMTModel, batch, seq, layers, width)
 
 
 def whisper(batch: int = 4, frames: int = 64, layers: int = 3, width: int = 64

@@ -8,7 +8,7 @@ import torch
 import rematlab
 from rematlab.core.batch import call
 from rematlab.core.steps import default_loss
-from rematlab.remat.chain import compiling
+from rematlab.remat.block import compiling
 from tests import realzoo
 
 

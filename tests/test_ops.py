@@ -174,11 +174,11 @@ def test_options_are_priced_at_what_a_step_under_them_measures_never_less(
 def test_an_op_level_profile_times_the_all_kept_step_once(monkeypatch):
     """With op-level menus the all-kept step is timed side by side with the all-option step,
     and that is the profile's step time: the outer costs do not time it again."""
-    from rematlab.remat import layer_costs
+    from rematlab.remat import outer
 
     timed_by_outer = []
-    real = layer_costs._step_time
-    monkeypatch.setattr(layer_costs, "_step_time",
+    real = outer.step_time
+    monkeypatch.setattr(outer, "step_time",
                         lambda *a: timed_by_outer.append(a[-1]) or real(*a))
     model, batch = realzoo.gpt2(layers=2)
     planning = rematlab.prepare(model.train(), batch, ops=True)

@@ -278,7 +278,7 @@ def test_a_blocks_priced_backward_is_its_own_ops_only():
     """The unit loss that makes the profile's output gradient is not the block's: in a step
     that gradient comes from the next block."""
     from rematlab.preflight.roofline import OpLog
-    from rematlab.remat.chain import profile_block
+    from rematlab.remat.block import profile_block
 
     target = resolve_target(PLAIN_CPU)
     x = torch.randn(64, 256)

@@ -132,7 +132,7 @@ def test_report_says_what_its_grid_is_for(tmp_path):
 def _figures(monkeypatch, fn, *args, tidy: bool = True) -> list:
     """The matplotlib figures `fn` draws, as `_png` receives them (after its tidying, or,
     with `tidy=False`, as drawn)."""
-    from rematlab.study import report
+    from rematlab.study import figures as report
 
     seen, encode = [], report._png
     if not tidy:
@@ -153,7 +153,7 @@ def _hollow(ax) -> int:
 
 
 def test_untrusted_points_are_hollow_and_named_in_the_legend(monkeypatch):
-    from rematlab.study.report import UNTRUSTED, pareto_figure, ratio_figure
+    from rematlab.study.figures import UNTRUSTED, pareto_figure, ratio_figure
 
     summary = synthetic.summary({"lenet5": (0.6, 1.3)}, batches=(16, 32, 64))
     summary["trusted"] = True
@@ -190,7 +190,7 @@ def _overlaps(fig) -> int:
 
 
 def test_tick_labels_never_overlap(monkeypatch):
-    from rematlab.study.report import pareto_figure
+    from rematlab.study.figures import pareto_figure
 
     # step times over about a decade (a log axis then labels minor ticks too), six panels
     summary = synthetic.summary({f"m{i}": (0.7, 1.05) for i in range(6)}, batches=(15, 140))

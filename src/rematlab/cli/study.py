@@ -340,7 +340,7 @@ def gradients(
 def _write_gradient_outputs(out: Path, data: dict) -> None:
     import base64
 
-    from rematlab.study.report import gradient_figures
+    from rematlab.study.figures import gradient_figures
 
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "gradients.json", json.dumps(data, indent=2, default=jsonable))

@@ -35,7 +35,8 @@ from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.simulate import overhead, simulate
 from rematlab.plans.solver import Solution, solve
 from rematlab.preflight.targets import Target
-from rematlab.remat.chain import compiling, profile_chain
+from rematlab.remat.block import compiling
+from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.structure import Structure, structure
 

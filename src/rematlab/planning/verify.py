@@ -23,7 +23,7 @@ from rematlab.plans.fixed import (
 )
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.simulate import overhead, simulate
-from rematlab.remat.chain import compiled, compiling
+from rematlab.remat.block import compiled, compiling
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.strategies import RematChain
 

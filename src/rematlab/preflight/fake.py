@@ -5,7 +5,7 @@ else, on the device it claims: on "cpu" the dispatcher picks the kernels a real 
 (its fused attention, its saved tensors), which a meta tensor does not (meta attention runs
 the unfused math path and saves the probabilities). Autograd, saved-tensor hooks and dispatch
 modes see fake tensors as real ones, so the profilers that measure a block
-(`rematlab.remat.chain.profile_block`) measure its fake twin byte for byte.
+(`rematlab.remat.block.profile_block`) measure its fake twin byte for byte.
 
 `fake_copy` turns a model — real, or built on the meta device so that its weights were never
 allocated — into a fake twin sharing no storage with it. A batch may be real tensors or meta

@@ -17,28 +17,24 @@ and times are replaced by FLOPs (what the study's analytic features use).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.probes import (
-    CastRecorder,
     LiveTensorTracker,
-    allocator_trace,
     rounded,
-    storage_key,
 )
 from rematlab.core.recipe import Step
-from rematlab.core.steps import LossFn, default_loss, preserved, runs_on, unit_loss
-from rematlab.core.timer import time_block, watched
+from rematlab.core.steps import LossFn, default_loss, preserved, runs_on
+from rematlab.core.timer import watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession, is_fake
-from rematlab.preflight.roofline import OpLog
-from rematlab.preflight.targets import Target, backward_interval, interval
-from rematlab.preflight.workspace import Scratch
+from rematlab.preflight.targets import Target
+from rematlab.remat.block import compiling, profile_block
 from rematlab.remat.ops import block_options
 from rematlab.remat.tracing import meta_copy
 
@@ -74,12 +70,8 @@ def profile_chain(
                           "a target), not under torch.compile (plan whole blocks with "
                           "compile=True)")
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
-    if session is not None:
-        run, x, unit = [session.model(b) for b in blocks], session.batch(example_input), \
-            target.unit
-    else:
-        run = [meta_copy(b) for b in blocks] if meta else blocks
-        x = example_input.to(device)
+    run, x = _runnable(blocks, example_input, device, session, meta)
+    unit = target.unit if target is not None else unit
     batch = x  # what the loss is given besides the output
     base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
@@ -98,18 +90,8 @@ def profile_chain(
             fwd = step.in_region(block, x_in.device)
             r = repeated.costs(block, [x_in], lambda fwd=fwd, x_in=x_in: fwd(x_in))
             if r is None:
-                with preserved(block):
-                    r = profile_block(block, x_in, repeats=0 if predicted else repeats,
-                                      unit=unit, run=fwd, target=target)
-                if compile:
-                    with preserved(block), compiling():
-                        r.update({k: v for k, v in profile_block(block, x_in, repeats, unit,
-                                                                 run=fwd, compile=True).items()
-                                  if k in COMPILED_KEYS})
-                if ops:
-                    with preserved(block):
-                        r["options"] = block_options(block, fwd, x_in, r, repeats=repeats,
-                                                     unit=unit, target=target)
+                r = _chain_block(block, x_in, fwd, repeats, unit, target, compile, ops,
+                                 timed=not predicted)
                 repeated.remember(block, [x_in], r)
             r.setdefault("options", [])
             for key, value in r.items():
@@ -144,6 +126,37 @@ def profile_chain(
         optimizer_peak=params_bytes + grads + state + transient + base_input + out_bytes
         + loss_bytes,
     )
+
+
+def _runnable(blocks: list[nn.Module], example_input: torch.Tensor, device: torch.device,
+              session: FakeSession | None, meta: bool
+              ) -> tuple[list[nn.Module], torch.Tensor]:
+    """The blocks and the input a chain is profiled on: fake twins for a target's
+    `session`, meta copies on the meta device, else the blocks themselves and the input on
+    `device`."""
+    if session is not None:
+        return [session.model(b) for b in blocks], session.batch(example_input)
+    return [meta_copy(b) for b in blocks] if meta else blocks, example_input.to(device)
+
+
+def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, repeats: int, unit: int,
+                 target: Target | None, compile: bool, ops: bool, timed: bool) -> dict:
+    """One block's profile in a chain: eager (`profile_block`; timed unless predicted), with
+    what compiling it changes measured compiled (`COMPILED_KEYS`), and its op-level menu
+    (`ops`)."""
+    with preserved(block):
+        r = profile_block(block, x_in, repeats=repeats if timed else 0, unit=unit, run=fwd,
+                          target=target)
+    if compile:
+        with preserved(block), compiling():
+            r.update({k: v for k, v in profile_block(block, x_in, repeats, unit, run=fwd,
+                                                     compile=True).items()
+                      if k in COMPILED_KEYS})
+    if ops:
+        with preserved(block):
+            r["options"] = block_options(block, fwd, x_in, r, repeats=repeats, unit=unit,
+                                         target=target)
+    return r
 
 
 def loss_peak(out: torch.Tensor, batch: torch.Tensor, step: Step, unit: int
@@ -214,142 +227,8 @@ def block_input(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
     return x.detach().requires_grad_().clone()
 
 
-def _saved_recorder(block: nn.Module, unit: int, exclude: frozenset = frozenset()
-                    ) -> tuple[dict, Callable]:
-    """A saved-tensor pack hook that records the storages saved for backward, parameters,
-    buffers and the storages in `exclude` left out, and the dict it fills (key -> bytes)."""
-    params = {storage_key(p) for p in [*block.parameters(), *block.buffers()]} | exclude
-    saved: dict[tuple[str, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in params:
-            saved[key] = rounded(t.untyped_storage().nbytes(), unit)
-        return t
-
-    return saved, pack
-
-
-def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
-                  run: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  others: list[torch.Tensor] | None = None, compile: bool = False,
-                  target: Target | None = None) -> dict:
-    """Costs of one block on `x_in`, the one block profiler (chains and layers, eager and
-    compiled). `run(x)` calls the block and returns its output tensor (a layer of a real model
-    takes more arguments and may return a tuple); `others` are those other tensor arguments,
-    whose storages are not the block's saved bytes. With `compile`, the block runs under
-    `torch.compile` (warmed up first): the live-tensor tracker cannot see inside compiled
-    code, so memory comes from the allocator and saved-tensor hooks alone, and FLOPs are
-    left to the eager profile. With a `target`, the block is a fake twin
-    (`rematlab.preflight`): its times are the roofline's for the ops it ran, as an interval."""
-    if compile:
-        run = compiled(run or block)
-        for _ in range(2):  # compile forward and backward outside the measurement
-            out = run(x_in)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
-        del out
-        for p in block.parameters():
-            p.grad = None
-    run = run or block
-    exclude = frozenset(storage_key(t) for t in others or ())
-    saved, pack = _saved_recorder(block, unit, exclude)
-    tracker = LiveTensorTracker(unit=unit)
-    # parameters, buffers and other arguments exist before the block runs: tracked up front,
-    # so that views of them (a Linear's `weight.t()`) are not counted as new memory
-    tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
-    counting = contextlib.nullcontext() if compile else tracker
-    flops = FlopCounterMode(display=False)
-    logs = (OpLog(), OpLog()) if target is not None else None
-    priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
-    here = target is not None and target.calibrated  # kernels' scratch, asked of the device
-    scratch = (lambda: Scratch(tracker, target.kind)) if here else contextlib.nullcontext
-    real = not (x_in.device.type == "meta" or is_fake(x_in))
-    allocator = allocator_trace(x_in.device) if real else None
-    phase = allocator.phase if allocator else lambda _: contextlib.nullcontext()
-    bwd_mem = 0
-    marks: list[int] = []  # the forward's running peak each time autograd saves a tensor
-    region = getattr(run, "autocast_dtype", None)  # `Step.in_region`: autocast's dtype
-    casts = (CastRecorder(block.parameters(), region, unit) if region and not compile
-             else None)  # the weight copies autocast caches
-
-    def pack_marked(t: torch.Tensor) -> torch.Tensor:
-        marks.append(tracker.peak)
-        return pack(t)
-
-    with allocator or contextlib.nullcontext():
-        before = tracker.live
-        with phase("forward"), scratch(), counting, \
-                flops if not compile else contextlib.nullcontext(), \
-                torch.autograd.graph.saved_tensors_hooks(pack_marked, lambda t: t), priced(0), \
-                casts or contextlib.nullcontext():
-            out = run(x_in)
-        fwd_mem = tracker.peak - before
-        # a recomputation stops once the last saved tensor is made again (torch's early
-        # stop), so the ops after it, the output among them, are not run
-        rec_mem = (marks[-1] - before) if marks else 0
-        kin, kout = storage_key(x_in), storage_key(out)
-        nxt = out.detach().clone()  # the next block's input, made outside the tracker's view
-        out_bytes = rounded(out.element_size() * out.numel(), unit)
-        bwd_ran = out.requires_grad
-        if bwd_ran:
-            loss = unit_loss(out)  # `bwd_mem` is the peak above the output gradient
-            del out  # autograd alone decides when the output dies, as in a real step
-            before_bwd = tracker.live
-            tracker.reset_peak()
-            with phase("backward"), scratch(), counting, priced(1):
-                loss.backward()
-            bwd_mem = tracker.peak - before_bwd - out_bytes
-    if allocator is not None:  # kernel workspaces, compiled code: only the allocator sees them
-        if allocator.phases["forward"].transient > fwd_mem:  # unseen when: assume all of it
-            fwd_mem = rec_mem = allocator.phases["forward"].transient
-        if "backward" in allocator.phases:
-            bwd_mem = max(bwd_mem, allocator.phases["backward"].transient - out_bytes)
-    # the tracked run above was the warm-up (first kernels, compiled code already warmed)
-    fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
-    ranges = {}
-    if logs is not None:
-        f_lo, fwd_time, f_hi = interval(logs[0].ops, target)
-        b_lo, bwd_time, b_hi = (backward_interval(logs[1].ops, nxt, target) if bwd_ran
-                                else (0.0, 0.0, 0.0))
-        ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi)}
-    return {
-        **ranges,
-        "x": rounded(x_in.element_size() * x_in.numel(), unit),
-        "saved": sum(v for k, v in saved.items() if k not in (kin, kout)),
-        "keeps_input": kin in saved,
-        "keeps_output": kout in saved,
-        "fwd_mem": fwd_mem,
-        "rec_mem": fwd_mem if compile else min(fwd_mem, rec_mem),
-        "bwd_mem": bwd_mem,
-        "grad": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()
-                    if p.requires_grad),
-        "fwd_time": fwd_time,
-        "bwd_time": bwd_time,
-        "fwd_flops": float(flops.get_total_flops()),
-        "cast": casts.nbytes if casts else 0,
-        "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
-        "out": nxt,
-    }
-
-
 COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem",
                  "fwd_time", "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
-
-
-@contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Lift dynamo's per-code-object recompile limit while planning compiles many blocks and
-    plans: they share code objects (`Sequential.forward`, `RematChain.forward`), and past the
-    limit (8) dynamo silently runs eager, which would be profiled as if compiled."""
-    with torch._dynamo.config.patch(recompile_limit=100_000,
-                                    accumulated_recompile_limit=100_000):
-        yield
-
-
-def compiled(fn: Callable) -> Callable:
-    """`torch.compile` with static shapes: a plan is made for one input shape."""
-    return torch.compile(fn, dynamic=False)
 
 
 def optimizer_memory(params: list[torch.Tensor], step: Step, unit: int = 1

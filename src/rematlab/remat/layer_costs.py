@@ -8,39 +8,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from rematlab.core.batch import Batch, batch_bytes, first_float, tensors, to_device
-from rematlab.core.probes import LiveTensorTracker, rounded
+from rematlab.core.batch import Batch, batch_bytes, tensors, to_device
+from rematlab.core.probes import rounded
 from rematlab.core.recipe import Step
 from rematlab.core.steps import LossFn, is_oom, preserved
 from rematlab.core.timer import profile_timer, timed, watched
-from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
-from rematlab.preflight.roofline import OpLog
-from rematlab.preflight.targets import Target, interval
-from rematlab.remat.chain import Repeats, block_input, optimizer_memory, profile_block
+from rematlab.preflight.targets import Target
+from rematlab.remat.block import profile_block
+from rematlab.remat.chain import Repeats, block_input, optimizer_memory
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import OPTION_REPEATS, block_options
+from rematlab.remat.outer import one_pass, outer_costs, output_tensor, step_time
 from rematlab.remat.shorten import shortened, stretched
 
 _log = logging.getLogger("rematlab")
-
-
-def _output_tensor(out: Any) -> torch.Tensor:
-    """The floating tensor a layer hands on (its hidden state)."""
-    t = first_float(out)
-    if t is None:
-        raise ConfigError(f"a layer returned no floating tensor ({type(out).__name__})")
-    return t
 
 
 @dataclass(frozen=True)
@@ -163,7 +153,7 @@ def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
                         how.target)
     if in_step:
         rows, kept = _options_in_step(model, batch, layers, rows, how.step)
-        outer["step_time"] = kept if kept is not None else _step_time(
+        outer["step_time"] = kept if kept is not None else step_time(
             attach(model, LayerRemat(layers, none_plan(len(layers) + 2))), batch, how.step,
             how.repeats)
     return rows, outer
@@ -243,7 +233,7 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
 
     def layer_run(x: torch.Tensor) -> torch.Tensor:
         args, kwargs = lc.with_hidden(x)
-        return _output_tensor(layer(*args, **kwargs))
+        return output_tensor(layer(*args, **kwargs))
 
     run = how.step.in_region(layer_run, device)
     inputs = [x_in, *lc.others()]
@@ -259,130 +249,3 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
                                                unit=how.unit)
         repeated.remember(layer, inputs, row)
     return dict(row)
-
-
-def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: Step,
-                repeats: int, target: Target | None = None) -> dict:
-    """Costs of what runs before the first layer and after the last, from one tracked
-    training step with every layer kept: live bytes and peaks between five events — first
-    layer entered, last layer left, loss computed, gradient of the last layer's output
-    ready, gradient of the first layer's input ready (none when it needs no gradient, as
-    under frozen embeddings: nothing before the layers runs backward) — and the step's
-    end. With a `target`, the step's time is the roofline's of the ops it ran."""
-    tracker = LiveTensorTracker(unit=target.unit if target is not None else 1)
-    log = OpLog() if target is not None else contextlib.nullcontext()
-    events: dict[str, tuple[int, int]] = {}
-    seen: dict[str, Any] = {}
-
-    def mark(name: str) -> None:
-        events.setdefault(name, (tracker.live, tracker.peak))
-        tracker.reset_peak()
-
-    def on_grad(name: str) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if name == "last_grad":
-                seen["after_grad"] = [id(p) for p in model.parameters() if p.grad is not None]
-            mark(name)
-        return hook
-
-    layer_live: list[int] = []  # live bytes as each layer starts, and after the last
-
-    def entering(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        layer_live.append(tracker.live)
-        if len(layer_live) > 1:
-            return
-        x = _output_tensor((args, kwargs))
-        seen["x_first"] = x.untyped_storage().nbytes()
-        mark("first_in")
-        if x.requires_grad:
-            x.register_hook(on_grad("first_grad"))
-        else:  # frozen embeddings (fine-tuning adapters): backward stops in the layers
-            seen["frozen_input"] = True
-
-    def last_out(_m: nn.Module, _args: tuple, out: Any) -> None:
-        layer_live.append(tracker.live)
-        y = _output_tensor(out)
-        seen["y_last"] = y.untyped_storage().nbytes()
-        seen["y_ref"] = weakref.ref(y.untyped_storage())
-        mark("last_out")
-        if y.requires_grad:
-            y.register_hook(on_grad("last_grad"))
-
-    handles = [m.register_forward_pre_hook(entering, with_kwargs=True) for m in layers]
-    handles.append(layers[-1].register_forward_hook(last_out))
-    params = list(model.parameters())
-    plain = attach(model, LayerRemat(layers, none_plan(len(layers) + 2)))  # as planned runs
-    try:
-        with preserved(model):
-            tracker.track([*params, *model.buffers(), *tensors(batch)])
-            mark("start")
-            with tracker, log:
-                out, loss = step.forward(plain, batch)  # in the step's autocast region
-                mark("forward_end")
-                alive = seen["y_ref"]() is not None
-                loss_bytes = 0 if any(t is loss for t in tensors(out)) else rounded(
-                    loss.element_size() * loss.numel(), tracker.unit)  # the model's own?
-                # a loop that keeps the output until the step ends (`Step.output_alive`)
-                output = batch_bytes(out) if step.output_alive else 0
-                if not step.output_alive:
-                    out = None  # dropped before backward: what autograd saved of it stays
-                mark("backward_start")
-                loss.backward()
-                mark("end")
-            del out, loss
-            step_time = _step_time(plain, batch, step, repeats)
-            if target is not None:
-                fast, step_time, slow = interval(log.ops, target)
-    finally:
-        for h in handles:
-            h.remove()
-    frozen = seen.get("frozen_input", False)
-    need = {"first_in", "last_out", "forward_end", "last_grad", "end"} | (
-        set() if frozen else {"first_grad"})
-    if not need <= events.keys():
-        raise ConfigError("the model's layers did not take part in backward as a chain "
-                          f"(missing events: {sorted(need - events.keys())})")
-    start, first_in_ = events["start"][0], events["first_in"]
-    last_out_, fwd_end = events["last_out"], events["forward_end"]
-    bwd_start = events["backward_start"]
-    last_grad, end = events["last_grad"], events["end"]
-    layer_params = {id(p) for m in layers for p in m.parameters()}
-    outside = [p for p in params if id(p) not in layer_params and p.requires_grad]
-    nbytes = {id(p): p.numel() * p.element_size() for p in outside}
-    after_grad = sum(nbytes.get(i, 0) for i in seen.get("after_grad", []))
-    y = seen["y_last"]
-    return {
-        "layer_live": layer_live,
-        "output": output,
-        "loss": loss_bytes,
-        "before_saved": first_in_[0] - start - seen["x_first"],
-        "before_fwd": first_in_[1] - start,
-        "before_bwd": 0 if frozen else end[1] - events["first_grad"][0],
-        "before_grad": sum(nbytes.values()) - after_grad,
-        "after_saved": bwd_start[0] - last_out_[0] + (0 if alive else y) - output,
-        "after_keeps_input": alive,
-        "after_fwd": fwd_end[1] - last_out_[0],
-        "after_bwd": last_grad[1] - bwd_start[0],
-        "after_grad": after_grad,
-        "step_time": step_time,
-        **({"step_range": (fast, slow)} if target is not None else {}),
-    }
-
-
-def _step_time(model: nn.Module, batch: Batch, step: Step, repeats: int) -> float:
-    """Median seconds of one micro-batch's forward+backward with every layer kept, by the
-    one timer (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's). No
-    warm-up of its own: the tracked step just before it ran the same code on the same
-    shapes."""
-    if repeats < 1:
-        return 0.0
-    timer = profile_timer(next(tensors(batch)).device)
-    work = timed(lambda: one_pass(model, model, batch, step))
-    return timer.run(work, repeats, warmup=0).median()
-
-
-def one_pass(owner: nn.Module, run: Callable, batch: Batch, step: Step) -> None:
-    """`owner`'s gradients set to None, then one micro-batch of `step` through `run`: the
-    step a profile times."""
-    owner.zero_grad(set_to_none=True)
-    step.micro_batch(run, batch)

@@ -17,7 +17,7 @@ block 0 is everything the model runs before its first layer (embeddings, masks),
 1..L the layers, block L+1 everything after the last one (head, loss), with the output alive
 until backward. The layers' costs are profiled one by one on the arguments captured from a real
 forward; the costs of the first and last pseudo-blocks are read from one tracked training step
-of the whole model (`outer_costs`).
+of the whole model (`rematlab.remat.outer`).
 
 .. warning::
    A layer runs its forward a second time during backward. Dropout masks are replayed and

@@ -73,7 +73,7 @@ def shortened(model: nn.Module, layers: list[nn.Module], keep: int = 3
 
 def stretched(rows: list[dict], outer: dict, longer: dict | None, n: int
               ) -> tuple[list[dict], dict]:
-    """The three-layer twin's profiles and outer costs (`layer_costs.outer_costs`) as the
+    """The three-layer twin's profiles and outer costs (`outer.outer_costs`) as the
     `n` layers': the second layer's profile for every middle one, its live bytes repeated,
     and the step's time grown by what one more middle layer added to it. Pre-flight, that
     is the four-layer twin's step (`longer`) less the three-layer one's, which includes what
