@@ -419,7 +419,24 @@ def test_the_cli_refuses_a_target_without_predict_and_an_unknown_target():
 def test_a_target_is_a_frozen_profile_with_sources():
     for target in PROFILES.values():
         assert isinstance(target, Target) and target.source and target.context > 0
-        assert target.flops["bfloat16"] > target.flops["float32"]
+        assert target.flops["float16"] > target.flops["float32"]  # tensor cores
+
+
+def test_one_gpu_table_serves_the_study_and_pre_flight():
+    """The predictor's roofline features read the same data-sheet profiles as pre-flight, by
+    the name torch gives the device, at the step's matmul dtype (dense rates: an RTX 4090
+    does 165.2 bf16 TFLOP/s, 330 only with sparsity)."""
+    from rematlab.measurement.hardware import GPU_DEFAULT, device_peaks
+    from rematlab.preflight.targets import DEVICE_NAMES
+
+    assert device_peaks("NVIDIA GeForce RTX 4090", 1, "bfloat16") == (165.2e12, 1.008e12)
+    assert device_peaks("NVIDIA L40S", 1, "bfloat16")[0] == 362.05e12  # not the L40's
+    assert device_peaks("NVIDIA H100 80GB HBM3", 1)[0] == 67e12  # fp32 steps: fp32 matmuls
+    assert device_peaks("cuda:0", 1) == GPU_DEFAULT
+    for part, name in DEVICE_NAMES:
+        profile = PROFILES[name]
+        assert device_peaks(f"Vendor {part} card", 1, "bfloat16") == (
+            profile.flops["bfloat16"], profile.bandwidth), part
 
 
 def test_running_out_of_memory_in_the_short_twin_is_not_hidden_by_a_whole_run(monkeypatch):

@@ -2,9 +2,11 @@
 
 With glibc's defaults a CPU step's time depends on where earlier allocations left the heap:
 large tensors are mapped fresh and handed back at every step (page faults each time), and
-the heap is trimmed at random points, so two processes measuring the same configuration
-disagreed by up to 30 % (`docs/benchmarks/repeatability.md`). `retain_freed_memory` makes
-glibc keep what the process frees, as PyTorch's CUDA caching allocator keeps device memory:
+the heap is trimmed at random points (a ResNet plan's measured ratio moved between 1.78x
+and 2.35x across runs of the pre-flight benchmark). It is one source of disagreement
+between processes, not the only one (`docs/benchmarks/repeatability.md`).
+`retain_freed_memory` makes glibc keep what the process frees, as PyTorch's CUDA caching
+allocator keeps device memory:
 no block is mmapped, the heap is never trimmed, and a step reuses pages. The process's
 resident memory stays at its high-water mark, which a measuring process does not mind and a
 user's training process might: so it is on by default in rematlab's own processes (the

@@ -1,5 +1,6 @@
 """The devices' rates: peak dense throughput (FLOP/s) and memory bandwidth (B/s). GPUs are
-read from a table by device-name part (vendors' data sheets); a CPU is measured, never
+read from pre-flight's profiles by device-name part (`preflight.targets.PROFILES`, each
+figure cited from its data sheet; dense rates, never the sparsity ones); a CPU is measured, never
 assumed, with the interference guard's calibration kernel at the thread count in question
 (an assumed per-thread rate read three times the real duration on this machine). One source,
 used by the predictor's roofline features and the sweep's duration estimate
@@ -17,22 +18,22 @@ from rematlab.core.probes import WallClock
 from rematlab.core.timer import MIN_REPEAT_SECONDS
 from rematlab.measurement import zoo
 from rematlab.measurement.spec import Spec
+from rematlab.preflight.targets import profile_of_device
 
-DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
-                "V100": (125e12, 0.9e12), "MI300": (1307e12, 5.3e12), "MI250": (383e12, 3.2e12),
-                "L40": (362e12, 0.86e12), "RTX 4090": (330e12, 1.0e12)}
-GPU_DEFAULT = (100e12, 1.0e12)  # a CUDA/ROCm device not in the table
+GPU_DEFAULT = (100e12, 1.0e12)  # an assumption, for a CUDA/ROCm device with no profile
 CPU_BANDWIDTH = 20e9
 
 
-def device_peaks(device_name: str | None, threads: int | None) -> tuple[float, float]:
-    """(FLOP/s, B/s) of a device named like 'NVIDIA H100 80GB' or 'cuda:0', or of `threads`
-    CPU threads."""
-    name = (device_name or "").lower()
-    for key, value in DEVICE_PEAKS.items():
-        if key.lower() in name:
-            return value
-    if name.startswith("cuda"):
+def device_peaks(device_name: str | None, threads: int | None, dtype: str = "float32"
+                 ) -> tuple[float, float]:
+    """(matmul FLOP/s at `dtype`, B/s) of a device named like 'NVIDIA H100 80GB' (its
+    data-sheet profile, `rematlab.preflight.targets`: the one GPU table), or of `threads` CPU
+    threads (measured)."""
+    name = device_name or ""
+    profile = profile_of_device(name)
+    if profile is not None:
+        return profile.matmul_rate(dtype), profile.bandwidth
+    if name.lower().startswith("cuda"):
         return GPU_DEFAULT
     return cpu_flops(threads or torch.get_num_threads()), CPU_BANDWIDTH
 

@@ -77,11 +77,12 @@ class Target:
 
 
 def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
-         source: str, workspace: int = 32 * MiB) -> Target:
+         source: str, workspace: int = 32 * MiB, fp16: float | None = None) -> Target:
     tera = 1e12
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
-        flops={"float32": fp32 * tera, "bfloat16": bf16 * tera, "float16": bf16 * tera},
+        flops={"float32": fp32 * tera, "bfloat16": bf16 * tera,
+               "float16": (fp16 if fp16 is not None else bf16) * tera},
         bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6),
         context=CUDA_CONTEXT, workspace=workspace, source=source)
 
@@ -110,12 +111,39 @@ PROFILES: dict[str, Target] = {t.name: t for t in (
     _gpu("mi300x", 196608, 163.4, 1307.4, 5.3e12,
          "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
          " HBM3 192 GB at 5.3 TB/s", workspace=8 * MiB),
+    _gpu("v100-32gb", 32768, 15.7, 15.7, 0.9e12,
+         "NVIDIA Tesla V100 data sheet (SXM2 32GB): FP32 15.7 TFLOPS, Tensor (FP16) 125 "
+         "TFLOPS, HBM2 900 GB/s; its tensor cores take no BF16: bf16 is priced at FP32's rate",
+         workspace=8 * MiB, fp16=125),
+    _gpu("l40s", 49152, 91.6, 362.05, 0.864e12,
+         "NVIDIA L40S data sheet: FP32 91.6 TFLOPS, BF16 tensor 362.05 TFLOPS (733 with "
+         "sparsity), GDDR6 48 GB at 864 GB/s", workspace=8 * MiB),
+    _gpu("l40", 49152, 90.5, 181.05, 0.864e12,
+         "NVIDIA L40 data sheet: FP32 90.5 TFLOPS, BF16 tensor 181.05 TFLOPS (362.1 with "
+         "sparsity), GDDR6 48 GB at 864 GB/s", workspace=8 * MiB),
+    # torch sees each of an MI250X's two dies (GCDs) as a device: half the board's figures
+    _gpu("mi250x-gcd", 65536, 95.7 / 2, 383.0 / 2, 1.6e12,
+         "AMD Instinct MI250X data sheet, per GCD (half the board): FP32 matrix 95.7 TFLOPS, "
+         "BF16 383.0 TFLOPS, HBM2e 128 GB at 3.2 TB/s for the board", workspace=8 * MiB),
 )}
+# Which profile a device is, by a part of the name torch gives it (`get_device_name`), the
+# longer names first ("L40S" before "L40")
+DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"),
+                ("V100", "v100-32gb"), ("L40S", "l40s"), ("L40", "l40"),
+                ("RTX 4090", "rtx4090"), ("MI300X", "mi300x"), ("MI250X", "mi250x-gcd"))
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090",
-           "rtx-4090": "rtx4090", "mi300": "mi300x", "h200-141gb": "h200"}
+           "rtx-4090": "rtx4090", "mi300": "mi300x", "h200-141gb": "h200", "v100": "v100-32gb",
+           "mi250x": "mi250x-gcd"}
 
 
 BOUNDS = {"slow": 0, "typical": 1, "fast": 2}
+
+
+def profile_of_device(device_name: str) -> Target | None:
+    """The data-sheet profile of a device named as torch names it ("NVIDIA H100 80GB HBM3"),
+    None for one not in `PROFILES`."""
+    name = device_name.upper()
+    return next((PROFILES[p] for part, p in DEVICE_NAMES if part in name), None)
 
 
 def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> float:

@@ -84,7 +84,9 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
                    for s in segments), default=0)
     fwd = sum(costs.fwd_flops)
     rec = recomputed(plan.items)
-    peak_flops, bandwidth = device_peaks(device_name or spec.device, threads or spec.threads)
+    matmul = {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision or "", spec.dtype)
+    peak_flops, bandwidth = device_peaks(device_name or spec.device, threads or spec.threads,
+                                         matmul)
     param_bytes = costs.base - costs.state - input_bytes
     return {
         "model": spec.model, "strategy_kind": strat.kind, "dtype": spec.dtype,
