@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import rematlab
@@ -60,6 +61,7 @@ def _command(env: dict) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # two interpreters started cold
 def test_the_environment_variable_turns_it_off_and_a_bad_value_is_one_error_line():
     off = _command({hostmem.ENV: "default"})
     assert off.returncode == 0, off.stderr
