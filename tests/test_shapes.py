@@ -85,3 +85,23 @@ def test_without_buckets_every_new_shape_is_planned():
     for batch in batches:
         default_loss(call(wrapped, batch), batch).backward()
     assert wrapped.planned == len({b["input_ids"].shape for b in batches})
+
+
+def test_a_bucket_past_the_models_positions_is_planned_at_the_batchs_own_shapes(monkeypatch):
+    """GPT-2 with 100 positions: the 128-token bucket cannot be tiled; its batches are
+    planned at their own lengths, and the bucket's top is not tried again."""
+    from rematlab.planning.auto import AutoRemat
+
+    model, _ = realzoo.gpt2(seq=100)
+    tried = []
+    prepare = AutoRemat._prepare
+    monkeypatch.setattr(AutoRemat, "_prepare",
+                        lambda self, ex: tried.append(ex["input_ids"].shape[1]) or
+                        prepare(self, ex))
+    wrapped = rematlab.auto(model.train(), "1GiB", optimizer=None)
+    for length in (60, 90, 95, 80):
+        ids = torch.randint(0, 97, (2, length))
+        batch = {"input_ids": ids, "labels": ids}
+        default_loss(call(wrapped, batch), batch).backward()
+    assert tried == [60, 128, 90, 95]  # 80 reuses the plan made at 95
+    assert [e.profiled[0][1] for e in wrapped.events] == [60, 90, 95]

@@ -6,14 +6,13 @@ the heap is trimmed at random points (a ResNet plan's measured ratio moved betwe
 and 2.35x across runs of the pre-flight benchmark). It is one source of disagreement
 between processes, not the only one (`docs/benchmarks/repeatability.md`).
 `retain_freed_memory` makes glibc keep what the process frees, as PyTorch's CUDA caching
-allocator keeps device memory:
-no block is mmapped, the heap is never trimmed, and a step reuses pages. The process's
-resident memory stays at its high-water mark, which a measuring process does not mind and a
-user's training process might: so it is on by default in rematlab's own processes (the
-`rematlab` command, sweep workers, Ray tasks), `REMATLAB_HOST_ALLOCATOR=default` turns it
-off there, and a user's process is never changed unless the user calls
-`retain_freed_memory()` itself. Every measured row records which allocator it ran under
-(`host_allocator`).
+allocator keeps device memory: no block is mmapped, the heap is never trimmed, and a step
+reuses pages. The process's resident memory stays at its high-water mark, which a measuring
+process does not mind and a user's training process might: so it is on by default in
+rematlab's own processes (the `rematlab` command, sweep workers, Ray tasks),
+`REMATLAB_HOST_ALLOCATOR=default` turns it off there, and a user's process is never changed
+unless the user calls `retain_freed_memory()` itself. Every measured row records which
+allocator it ran under (`host_allocator`).
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class AutoRemat(nn.Module):
         self.events: list[Replan] = []
         self._buckets = ShapeBuckets()
         self._profiled: dict[tuple, Shapes] = {}  # the shapes each bucket's plan was made at
+        self._untiled: set[tuple] = set()  # buckets whose largest shapes the model refused
         self._chosen: dict[tuple, Plan] = {}
         self._state: dict[tuple, int] = {}  # optimizer-state bytes each plan counted
         self._checked = time.monotonic()
@@ -136,8 +137,9 @@ class AutoRemat(nn.Module):
 
     def _plan(self, key: tuple, batch: Any, reason: str) -> None:
         """Plan at the bucket's largest shapes (the batch tiled up to them); at the batch's
-        own where the model cannot take those (a sequence past its position table)."""
-        example = tiled(detached(batch), key[1])
+        own where the model cannot take those (a sequence past its position table), from
+        then on for that bucket."""
+        example = detached(batch) if key in self._untiled else tiled(detached(batch), key[1])
         try:
             planning = self._prepare(example)
         except ConfigError as exc:
@@ -145,6 +147,7 @@ class AutoRemat(nn.Module):
                 raise
             _log.info("rematlab.auto: planning at the batch's own shapes: the bucket's "
                       "largest (%s) failed: %s", key[1], exc)
+            self._untiled.add(key)
             example = detached(batch)
             planning = self._prepare(example)
         # after a training call the user's optimizer holds its state: resident, as the
