@@ -457,3 +457,27 @@ def test_running_out_of_memory_in_the_short_twin_is_not_hidden_by_a_whole_run(mo
     with pytest.raises(MemoryError):
         profile_layers(model, batch, layers, target=resolve_target(PLAIN_CPU))
     assert runs == [3]  # the three-layer twin, and no whole-model run after it
+
+
+def test_a_calibration_of_another_version_is_never_read(monkeypatch, tmp_path):
+    """The calibration cache is versioned: a file this rematlab wrote is read back, one of
+    another calibration version is measured again."""
+    from rematlab.preflight import targets
+
+    monkeypatch.setenv("REMATLAB_CACHE", str(tmp_path))
+    fields = {"name": "cpu", "kind": "cpu", "memory": 2**30, "flops": {"float32": 1e11},
+              "bandwidth": 1e10, "overhead": (1e-6, 2e-6, 4e-6), "calibrated": True}
+    runs = []
+    monkeypatch.setattr(targets, "measure", lambda kind: runs.append(kind) or dict(fields))
+    try:
+        targets.calibrated.cache_clear()
+        first = targets.calibrated("cpu")
+        targets.calibrated.cache_clear()
+        assert targets.calibrated("cpu") == first and runs == ["cpu"]  # read back
+        path, = tmp_path.glob(f"roofline-v{targets.VERSION}-*.json")
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "version": targets.VERSION - 1}))
+        targets.calibrated.cache_clear()
+        assert targets.calibrated("cpu") == first and runs == ["cpu", "cpu"]  # measured again
+    finally:
+        targets.calibrated.cache_clear()  # no fake calibration for the tests after this one

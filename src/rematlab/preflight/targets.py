@@ -30,7 +30,7 @@ import torch
 from rematlab.core.files import cache_dir, write_text
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
-from rematlab.preflight.calibrate import measure
+from rematlab.preflight.calibrate import VERSION, measure
 from rematlab.preflight.roofline import LoggedOp
 
 MiB = 1 << 20
@@ -252,15 +252,17 @@ def _from_fields(fields: dict, where: str) -> Target:
 def calibrated(kind: str = "cpu") -> Target:
     """This machine's CPU, or the GPU here, as a measured `Target`
     (`rematlab.preflight.calibrate`), kept in the cache folder (`rematlab.core.files.cache_dir`)
-    per device model, thread count and torch version: delete the file to calibrate again."""
-    path = cache_dir() / f"roofline-{_machine(kind)}.json"
-    with contextlib.suppress(OSError, ValueError, TypeError):
+    per device model, thread count, torch version and calibration `VERSION` (a file of
+    another version is never read): delete the file to calibrate again."""
+    path = cache_dir() / f"roofline-v{VERSION}-{_machine(kind)}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         fields = json.loads(path.read_text())
-        return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES}})
+        if fields.pop("version") == VERSION:  # a file this rematlab's calibration wrote
+            return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES}})
     target = Target(**measure(kind), context=CUDA_CONTEXT if kind == "cuda" else 0)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text(path, json.dumps(target.to_dict()))
+        write_text(path, json.dumps({**target.to_dict(), "version": VERSION}))
     return target
 
 
