@@ -274,6 +274,24 @@ def test_the_roofline_prices_compute_and_bytes_as_a_roofline():
     assert slow == pytest.approx(2 * by_hand - 2e-6)  # half the rates, the same overheads
 
 
+def test_a_gpu_overlaps_launches_with_kernels_and_a_cpu_does_not():
+    """On a GPU the host launches ahead of the device: a step of many tiny ops is
+    launch-bound (their count times the overhead), one of a large matmul kernel-bound; a CPU
+    pays both, one after the other."""
+    from rematlab.preflight.roofline import LoggedOp
+
+    tiny = [LoggedOp("relu", "vector", "float32", 0.0, 1000)] * 100
+    big = [LoggedOp("mm", "matmul", "float32", 2e12, 0)]
+    card = {"name": "round", "memory": "1GiB", "flops": 1e12, "bandwidth": 1e11,
+            "overhead": [1e-5, 1e-5, 1e-5], "efficiency": [1, 1, 1],
+            "bandwidth_efficiency": [1, 1, 1]}
+    gpu, cpu = resolve_target(card), resolve_target({**card, "kind": "cpu"})
+    assert interval(tiny, gpu)[1] == pytest.approx(100 * 1e-5)  # launches, not 1e-6 of work
+    assert interval(big, gpu)[1] == pytest.approx(2.0)  # the kernel hides its launch
+    assert interval(tiny, cpu)[1] == pytest.approx(100 * 1e-5 + 100 * 1000 / 1e11)
+    assert interval(big, cpu)[1] == pytest.approx(2.0 + 1e-5)
+
+
 def test_a_blocks_priced_backward_is_its_own_ops_only():
     """The unit loss that makes the profile's output gradient is not the block's: in a step
     that gradient comes from the next block."""

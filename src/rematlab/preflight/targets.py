@@ -149,11 +149,15 @@ def profile_of_device(device_name: str) -> Target | None:
 def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> float:
     """The roofline time of `ops` on `target` at one of its efficiency bounds: an op whose
     rate was calibrated (`Target.extra["rates"]`, by op name) at that rate, any other at its
-    class's peak times the target's efficiency."""
+    class's peak times the target's efficiency; each op also costs the target's per-op
+    overhead (dispatch and launch). A CPU runs an op's overhead and its work one after the
+    other. A GPU runs them side by side: the host launches kernels ahead of the device, so a
+    step takes the longer of its kernels' time and its launches' time (launch-bound at small
+    sizes, kernel-bound at large ones), not their sum."""
     i = BOUNDS[bound]
     eff, beff = target.efficiency[i], target.bandwidth_efficiency[i]
     measured = target.extra.get("rates", {})
-    total = 0.0
+    kernels = 0.0
     for op in ops:
         rate = measured.get(op.name)
         if op.kind == "vector":  # no FLOP formula: moves bytes
@@ -163,8 +167,9 @@ def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> floa
             if rate is None or op.dtype != "float32":  # calibrated in fp32
                 rate = peak * (target.extra.get("conv", 1.0) if op.kind == "conv" else 1.0)
             took = max(op.flops / (rate * eff), op.nbytes / (target.bandwidth * beff))
-        total += took + target.overhead[2 - i]
-    return total
+        kernels += took
+    launches = len(ops) * target.overhead[2 - i]
+    return max(kernels, launches) if target.kind == "cuda" else kernels + launches
 
 
 def interval(ops: list[LoggedOp], target: Target) -> tuple[float, float, float]:
