@@ -51,6 +51,10 @@ class Target:
     flops: dict[str, float]
     bandwidth: float
     overhead: tuple[float, float, float]
+    # For a data-sheet profile these are assumptions, not measurements (no GPU has run here):
+    # the fractions of dense peak a training step's matmuls reach, from a small layer's (0.35)
+    # to a large GEMM's (0.8), and of peak bandwidth an elementwise kernel streams at. A
+    # calibrated target measures both (`rematlab.preflight.calibrate`).
     efficiency: tuple[float, float, float] = (0.35, 0.6, 0.8)
     bandwidth_efficiency: tuple[float, float, float] = (0.5, 0.75, 0.9)
     context: int = 0
@@ -78,6 +82,12 @@ class Target:
 
 def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
          source: str, workspace: int = 32 * MiB, fp16: float | None = None) -> Target:
+    """A data-sheet profile. `workspace`: the cuBLAS workspace torch allocates per handle and
+    stream, by ATen's `CUBLAS_WORKSPACE_CONFIG` default (`CublasHandlePool.cpp`:
+    `:4096:8`, 32 MiB, on Hopper; `:4096:2:16:8`, about 8 MiB, before it; cuBLAS's own
+    guide recommends 32 MiB on Hopper, 4 MiB before); one handle is budgeted, and ROCm's
+    hipBLASLt is assumed alike. `overhead`: an assumption, 3-10 µs per op of eager
+    dispatch and kernel launch (5 typical), until a GPU here calibrates it."""
     tera = 1e12
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
