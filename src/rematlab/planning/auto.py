@@ -92,34 +92,37 @@ class AutoRemat(nn.Module):
                                               else args)
         if args and kwargs:
             raise ConfigError("auto() takes positional or keyword inputs, not both")
-        key = self._bucket(batch)
-        if key not in self.plans or not covers(self._profiled[key], shapes_of(batch)):
+        key, planned = self._bucket(batch)
+        if not planned:
             self._plan(key, batch, "new input shapes")
         elif is_auto(self.budget) and time.monotonic() - self._checked >= self.recheck_s:
             self._recheck(key, batch)
         self._stepped = True
         return call(self.plans[key], batch)
 
-    def _bucket(self, batch: Any) -> tuple:
-        """The key of `batch`'s plan: its tensors' dtypes and devices, and its bucket's
-        largest shapes (its own shapes without buckets). A bucket with no plan covering the
-        batch yet takes that of an earlier bucket made at shapes covering it, if any (the
-        first batch's, made before any dimension was seen to change); until a plan is made at
-        the bucket's largest shapes, a larger batch in it is planned again."""
+    def _bucket(self, batch: Any) -> tuple[tuple, bool]:
+        """The key of `batch`'s plan — its tensors' dtypes and devices, and its bucket's
+        largest shapes (its own shapes without buckets) — and whether a plan covering the
+        batch is there. A bucket with none yet takes that of an earlier bucket made at
+        shapes covering the batch, if any (the first batch's, made before any dimension was
+        seen to change); until a plan is made at the bucket's largest shapes, a larger batch
+        in it is planned again."""
         kinds = tuple((t.dtype, t.device) for t in tensors(batch))
         shapes = shapes_of(batch)
         if not self.shape_buckets:
-            return kinds, shapes
+            return (kinds, shapes), (kinds, shapes) in self.plans
         self._buckets.observe(shapes)
         key = (kinds, self._buckets.top(shapes))
-        if key not in self.plans or not covers(self._profiled[key], shapes):
-            earlier = next((k for k, made in self._profiled.items()
-                            if k[0] == kinds and covers(made, shapes)
-                            and self._buckets.top(made) == key[1]), None)
-            if earlier is not None:
-                for table in (self.plans, self._profiled, self._chosen, self._state):
-                    table[key] = table[earlier]
-        return key
+        if key in self.plans and covers(self._profiled[key], shapes):
+            return key, True
+        earlier = next((k for k, made in self._profiled.items()
+                        if k[0] == kinds and covers(made, shapes)
+                        and self._buckets.top(made) == key[1]), None)
+        if earlier is None:
+            return key, False
+        for table in (self.plans, self._profiled, self._chosen, self._state):
+            table[key] = table[earlier]
+        return key, True
 
     def _recheck(self, key: tuple, batch: Any) -> None:
         """Derive the budget again; re-plan when the cached plan no longer fits it, or when
