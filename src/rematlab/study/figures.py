@@ -18,15 +18,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from rematlab.study.store import trusted_mask
+
 UNTRUSTED = "hollow: untrusted (timed on a busy machine)"
-
-
-def _trusted(frame: pd.DataFrame) -> pd.Series:
-    """Which rows the interference guard trusted; rows without a verdict (measured before the
-    guard) count as trusted, as the analyses count them (`store.trusted_only`)."""
-    if "trusted" not in frame:
-        return pd.Series(True, index=frame.index)
-    return frame["trusted"].map(lambda v: True if pd.isna(v) else bool(v)).astype(bool)
 
 
 def _points(ax: plt.Axes, x: pd.Series, y: pd.Series, trusted: pd.Series, **style) -> None:
@@ -91,7 +85,7 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
     for ax, model in zip(axes.flat, models, strict=False):
         g = ok[ok["cfg_model"] == model]
         for s, h in g.groupby("cfg_strategy"):
-            _points(ax, h["step_s_median"] * 1e3, h["peak_bytes_median"] / 2**20, _trusted(h),
+            _points(ax, h["step_s_median"] * 1e3, h["peak_bytes_median"] / 2**20, trusted_mask(h),
                     s=22, color=colors[s], label=s)
             for _, r in h.iterrows():
                 ax.annotate(str(r["cfg_batch"]), (r["step_s_median"] * 1e3,
@@ -100,7 +94,7 @@ def pareto_figure(summary: pd.DataFrame, plans: pd.DataFrame) -> str:
         if not plans.empty:
             p = plans[(plans["model"] == model) & plans["step_s"].notna()]
             if len(p):
-                _points(ax, p["step_s"] * 1e3, p["measured_peak"] / 2**20, _trusted(p),
+                _points(ax, p["step_s"] * 1e3, p["measured_peak"] / 2**20, trusted_mask(p),
                         marker="*", s=140, color="black", label="planner")
         ax.set_xscale("log")
         ax.set_title(model)
@@ -120,7 +114,7 @@ def ratio_figure(summary: pd.DataFrame) -> str | None:
     the same batch size, against the batch size: where a strategy saves memory, and what it
     costs in time, as the batch grows. A ratio either of whose times the guard did not trust
     is a hollow point."""
-    ok = summary[summary["outcome"] == "ok"].assign(trusted=lambda f: _trusted(f))
+    ok = summary[summary["outcome"] == "ok"].assign(trusted=lambda f: trusted_mask(f))
     cols = ["cfg_model", "cfg_batch", "cfg_strategy", "peak_bytes_median", "step_s_median",
             "trusted"]
     base = ok[ok["cfg_strategy"] == "none"][cols].rename(

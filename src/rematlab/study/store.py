@@ -328,13 +328,20 @@ def load(db: str | Path, table: str = "runs") -> pd.DataFrame:
         return store.frame(table)
 
 
+def trusted_mask(frame: pd.DataFrame) -> pd.Series:
+    """Which rows the guard trusted; rows without a verdict (measured before the guard, with
+    no evidence) count as trusted."""
+    if "trusted" not in frame.columns:
+        return pd.Series(True, index=frame.index)
+    return frame["trusted"].astype("boolean").fillna(True).astype(bool)
+
+
 def trusted_only(summary: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """The configurations an analysis may use, and how many it left out: `ok` rows the
     guard did not trust are dropped (rows from before the guard, with no evidence, stay)."""
     if "trusted" not in summary.columns:
         return summary, 0
-    trusted = summary["trusted"].astype("boolean").fillna(True).astype(bool)
-    untrusted = (summary["outcome"] == "ok") & ~trusted
+    untrusted = (summary["outcome"] == "ok") & ~trusted_mask(summary)
     return summary[~untrusted].reset_index(drop=True), int(untrusted.sum())
 
 
