@@ -41,16 +41,6 @@ SIZES = {"batch": 8, "layers": 6, "width": 128, "steps": 40}
 QUICK = {"batch": 4, "layers": 4, "width": 64, "steps": 20}
 
 
-def batches(n: int, batch: int, seed: int = 0) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(40, 129, (1,), generator=gen))
-        ids = torch.randint(0, 97, (batch, length), generator=gen)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
-
-
 def run(state: dict, data: list[dict], budget: int, mode: str, seen: dict):
     """One training run as work for the timer: fresh weights, a fresh wrapper."""
     def work(clock) -> dict[str, float]:
@@ -96,7 +86,7 @@ def main() -> None:
     except InfeasibleBudgetError as err:
         floor = err.min_peak
     budget = (floor + planning.choose("100GiB").measured_peak) // 2
-    data = batches(SIZES["steps"], SIZES["batch"])
+    data = realzoo.padded_batches(SIZES["steps"], SIZES["batch"])
     state = {k: v.clone() for k, v in model.state_dict().items()}
     seen: dict[str, int] = {}
     modes = {"none": "no checkpointing", "buckets": "auto, shape buckets",

@@ -26,6 +26,18 @@ def gpt2(batch: int = 4, seq: int = 32, layers: int = 4, width: int = 64
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
+def padded_batches(steps: int, batch: int = 4, seed: int = 0) -> list[dict]:
+    """Token batches as a dynamic-padding collator makes them for the GPT-2 above: each as
+    long as its longest sequence, lengths drawn from 40-128."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        length = int(torch.randint(40, 129, (1,), generator=gen))
+        ids = torch.randint(0, 97, (batch, length), generator=gen)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
 def _causal_lm(config_cls: type, model_cls: type, batch: int, seq: int, layers: int,
                width: int = 64) -> tuple[nn.Module, dict]:
     """A decoder with grouped-query attention (Qwen2, Llama) from a small config."""

@@ -32,18 +32,6 @@ def test_a_tiled_batch_keeps_its_values_and_grows_cyclically():
     assert torch.equal(grown["n"], torch.tensor([1]))
 
 
-def _padded_batches(steps: int, seed: int = 0) -> list[dict]:
-    """Batches as a dynamic-padding collator makes them: each as long as its longest
-    sequence, lengths drawn from 40-128."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        length = int(torch.randint(40, 129, (1,), generator=gen))
-        ids = torch.randint(0, 97, (4, length), generator=gen)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
-
-
 def test_auto_over_dynamically_padded_batches_profiles_at_most_three_times_within_budget():
     torch.manual_seed(0)
     model, longest = realzoo.gpt2(seq=128)  # positions for 128 tokens
@@ -56,7 +44,7 @@ def test_auto_over_dynamically_padded_batches_profiles_at_most_three_times_withi
     budget = (floor + planning.choose("100GiB").measured_peak) // 2
     wrapped = rematlab.auto(model, budget)
     opt = make_optimizer("momentum", model.parameters())
-    batches = _padded_batches(20)
+    batches = realzoo.padded_batches(20)
     assert len({b["input_ids"].shape for b in batches}) > 10  # a new shape almost every step
     peaks = []  # of the steps that did not plan (planning profiles the step unconstrained)
     for batch in batches:
@@ -81,7 +69,7 @@ def test_auto_over_dynamically_padded_batches_profiles_at_most_three_times_withi
 def test_without_buckets_every_new_shape_is_planned():
     model, _ = realzoo.gpt2(seq=128)
     wrapped = rematlab.auto(model.train(), "1GiB", optimizer=None, shape_buckets=False)
-    batches = _padded_batches(4, seed=1)
+    batches = realzoo.padded_batches(4, seed=1)
     for batch in batches:
         default_loss(call(wrapped, batch), batch).backward()
     assert wrapped.planned == len({b["input_ids"].shape for b in batches})
