@@ -12,7 +12,8 @@ import rematlab
 PACKAGE = Path(rematlab.__file__).parent
 # Bottom to top; a module may import its own layer and the ones before it.
 LAYERS = ("exceptions", "version", "core", "plans", "preflight", "remat", "measurement",
-          "planning", "integrations", "gradients", "study", "cli", "__init__")
+          "distributed", "planning", "integrations", "gradients", "study", "cli", "__init__",
+          "__main__")
 MAX_LINES = 400
 
 

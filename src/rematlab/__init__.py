@@ -7,10 +7,12 @@ budget, `.curve()` for all of them), `auto` (plan per input shape on the fly), `
 sweep's dataset, `predict` step time and peak memory. Pre-flight (`predict=True, target=...`
 on `plan`, `prepare` and `max_batch`) plans without running, for a device that is not here
 (`Target`, `PROFILES`), with `add_lora` for the way large models are fine-tuned. `Step`
-describes the user's own training step (autocast, micro-batches, clipping, optimizer), for
-which every plan and measurement is then made. `zoo` holds the study's six architectures.
+describes the user's own training step (autocast, micro-batches, clipping, optimizer, and
+its parallel layout: `FSDP` or `DDP`, planned per rank), for which every plan and measurement
+is then made. `zoo` holds the study's six architectures.
 """
 
+from rematlab.core.layout import DDP, FSDP
 from rematlab.core.lora import add_lora
 from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError, RematlabError
@@ -37,6 +39,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DDP",
+    "FSDP",
     "PROFILES",
     "ConfigError",
     "InfeasibleBudgetError",

@@ -28,6 +28,8 @@ HF's `TrainingArguments` describe the same loop):
   scores: small, and on the safe side.)
 - `loss_fn(output, batch)`, or the user's whole forward as `fn(model, batch) -> loss`, for
   anything else their step does (rematlab runs it under its probes).
+- `layout`: how the step is spread over ranks, `FSDP(...)` or `DDP(...)`
+  (`rematlab.core.layout`); a plan is then for one rank's step (`rematlab.distributed`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, tensors
+from rematlab.core.layout import DDP, FSDP, check_layout
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
 from rematlab.core.probes import Clock
 from rematlab.core.steps import PHASES, LossFn, forward, is_oom
@@ -70,9 +73,11 @@ class Step:
     output_alive: bool = True
     loss_fn: LossFn | None = None
     fn: StepFn | None = None
+    layout: FSDP | DDP | None = None
 
     def __post_init__(self) -> None:
         self.autocast  # noqa: B018 - validates the precision
+        check_layout(self.layout)
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
                 or not 1 <= self.micro_batches <= 1_000_000:
             raise ConfigError(f"micro_batches must be an integer in [1, 1000000], got "
@@ -210,8 +215,8 @@ class Step:
     def train_step(self, model: nn.Module, batch: Batch, run: Callable | None = None,
                    optimizer: torch.optim.Optimizer | None = None,
                    clock: Clock | None = None,
-                   around: Callable[[str], contextlib.AbstractContextManager] | None = None
-                   ) -> dict[str, float]:
+                   around: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                   readable: bool = True) -> dict[str, float]:
         """The whole optimizer step of `run` (default: `model`) as the user's loop runs it,
         timed: gradients zeroed as the loop does, every micro-batch in the autocast region
         with its loss divided and scaled, backward, then unscaling, clipping and the
@@ -219,7 +224,8 @@ class Step:
         alive until the step ends unless the loop drops it (`output_alive`). With `clock`,
         each phase's
         seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s;
-        `around(phase)` wraps each phase in a context (a memory probe's phase marker)."""
+        `around(phase)` wraps each phase in a context (a memory probe's phase marker);
+        `readable=False` for fake tensors (`update`)."""
         run = run if run is not None else model
         times = dict.fromkeys(PHASES, 0.0)
 
@@ -244,7 +250,8 @@ class Step:
             timed("backward", self.for_backward(loss, scaler).backward)
             del loss
         if optimizer is not None:
-            timed("optimizer", lambda: self.update(model.parameters(), optimizer, scaler))
+            timed("optimizer", lambda: self.update(model.parameters(), optimizer, scaler,
+                                                   readable))
         del out
         times["step"] = sum(times[p] for p in PHASES)
         return times
@@ -294,6 +301,7 @@ class Step:
         parts += ["gradients zeroed, not freed"] if not self.set_to_none else []
         parts += ["output dropped before backward"] if not self.output_alive else []
         parts += ["the user's step function"] if self.fn is not None else []
+        parts += [self.layout.describe()] if self.layout is not None else []
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -307,7 +315,8 @@ class Step:
                 "optimizer_kwargs": {k: v for k, v in dict(self.optimizer_kwargs).items()
                                      if isinstance(v, (bool, int, float, str))},
                 "set_to_none": self.set_to_none, "scaler": self.scaled,
-                "output_alive": self.output_alive, "step_fn": self.fn is not None}
+                "output_alive": self.output_alive, "step_fn": self.fn is not None,
+                "layout": self.layout.to_dict() if self.layout is not None else None}
 
 
 def as_step(step: Step | None = None, optimizer: Any = "momentum",

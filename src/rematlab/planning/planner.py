@@ -26,9 +26,11 @@ from rematlab.core.batch import check_batch, one_tensor, tensors, to_device
 from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import infeasible
+from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
+from rematlab.planning.ranks import for_rank, refuse_sharded
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -42,6 +44,7 @@ from rematlab.remat.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
 COMPILED_TOLERANCE = 0.25  # compiled graphs save less than their blocks compiled alone
+RANK_TOLERANCE = 0.10  # a sharded rank's simulated peaks, within 10 % of its runs (ranks.py)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Planning:
     compile: bool
     step: Step  # the user's training step every cost and measurement is of
     target: Target | None = None  # predicted for this device (`rematlab.preflight`)
+    ranks: RankEngine | None = None  # one rank of the step's layout (`planning.ranks`)
     _measured: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -76,6 +80,8 @@ class Planning:
         `InfeasibleBudgetError.min_peak` reports."""
         if not self.verify:
             return with_margin(self.floor) if self.target is not None else self.floor
+        if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
+            return self._measure_cached(self.solution.frontier[0])
         return max(self.floor, self._measure_cached(self.solution.frontier[0]))
 
 
@@ -109,14 +115,16 @@ class Planning:
 
         Monotone in the budget: the plans considered for a budget are the floor plan and the
         frontier's plans whose simulated peak is within it (compiled: within `COMPILED_TOLERANCE`
-        above it, since compiled graphs save less than their blocks compiled alone), tried
+        above it, since compiled graphs save less than their blocks compiled alone; one rank
+        of a layout: within `RANK_TOLERANCE`, the per-rank simulation's error), tried
         fastest first, and the first whose *measured* peak fits wins. Measurements are cached
         on this object, so a larger budget only adds candidates: its plan is never slower.
         When the simulation underestimates a plan, the next-best plan is taken, not the
         floor."""
         limit = self.budget(budget).nbytes
         name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
-        tolerance = COMPILED_TOLERANCE if self.compile else 0.0
+        tolerance = (COMPILED_TOLERANCE if self.compile else
+                     RANK_TOLERANCE if self.ranks is not None else 0.0)
         frontier = self.solution.frontier
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + tolerance))]
@@ -166,8 +174,20 @@ class Planning:
             self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
         return self._measured[key]
 
+    def rank(self, chosen: Plan) -> RankPeak:
+        """`chosen`'s per-rank step peak under the step's layout and what held it at that
+        moment (parameter shards, gathered parameters, optimizer state, ...): run on the
+        job's ranks when measured, on a fake group of N ranks when predicted."""
+        if self.ranks is None:
+            raise ConfigError("a per-rank breakdown needs a parallel layout: "
+                              "step=Step(layout=FSDP(...) or DDP(...))")
+        return self.ranks.peak(chosen)
+
     def measure(self, chosen: Plan) -> int:
-        """The measured step peak of `chosen` (see `step_peak`)."""
+        """The measured step peak of `chosen` (see `step_peak`); under a layout, one rank's
+        whole step, sharded (`RankEngine`: measured, or on a fake group when predicted)."""
+        if self.ranks is not None:
+            return self.ranks.peak(chosen).peak
         if self.structure.kind == "layers":
             return measure_layers_peak(self.model, self.structure.blocks, chosen, self.batch,
                                        self.costs, self.step)
@@ -219,12 +239,21 @@ def prepare(
     if target is not None and not predict:
         raise ConfigError("a target is planned for without running (predict=True); without "
                           "it, plans are measured on the device the batch is on")
+    refuse_sharded(model)
+    if user_step.layout is not None and compile:
+        raise ConfigError("compiled plans under a parallel layout are not supported: plan "
+                          "eager (compile=False)")
     st = structure(model, example_inputs, blocks)
     if predict:
         costs, tgt = predicted_costs(model, example_inputs, st, device, user_step, target, ops)
-        solution = solve(costs, layers=st.kind == "layers")
-        return Planning(model, st, example_inputs, costs, solution, False, False, user_step,
-                        tgt)
+        if user_step.layout is None:
+            return Planning(model, st, example_inputs, costs,
+                            solve(costs, layers=st.kind == "layers"), False, False,
+                            user_step, tgt)
+        costs, engine = for_rank(model, example_inputs, st, user_step, costs, tgt)
+        return Planning(model, st, example_inputs, costs,
+                        solve(costs, layers=st.kind == "layers"), verify, False, user_step,
+                        tgt, ranks=engine)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
@@ -237,13 +266,16 @@ def prepare(
         with compiling():
             costs = profile_layers(model, batch, st.blocks, step=user_step, repeats=repeats,
                                    compile=compile, ops=ops)
-        solution = solve(costs, layers=True)
     else:
         runs_on(model, model, batch, type(model).__name__)
         costs = profile_chain(st.blocks, one_tensor(batch), device=dev, repeats=repeats,
                               compile=compile, ops=ops, step=user_step)
-        solution = solve(costs)
-    return Planning(model, st, batch, costs, solution, verify, compile, user_step)
+    engine = None
+    if user_step.layout is not None:
+        costs, engine = for_rank(model, batch, st, user_step, costs, None)
+    solution = solve(costs, layers=st.kind == "layers")
+    return Planning(model, st, batch, costs, solution, verify, compile, user_step,
+                    ranks=engine)
 
 
 def plan(

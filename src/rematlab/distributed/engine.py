@@ -1,0 +1,157 @@
+"""One rank's step under a plan, run for real and metered: what a plan under a parallel layout
+is verified by (`rematlab.planning.planner.Planning.measure`).
+
+For each plan, a copy of the user's unsharded model gets the plan (`rematlab.apply`), is
+sharded as the layout says (`shard`), and runs the user's step twice with the step's
+optimizer: the first makes the optimizer state, the second is metered whole (forward,
+backward, clipping, the optimizer's step). Measured, the copy is real and the process group
+the job's (every rank runs the same calls, in the same order, and the peak is the largest
+rank's, so that every rank makes the same choices). Predicted, the copy is built on the meta
+device and made of fake tensors after sharding, on a fake group of N ranks in this process:
+the per-rank bytes of N cards without them (`group`).
+
+CPU and fake steps are metered by the sharded live-storage tracker (`meter.RankTracker`);
+a CUDA rank by the caching allocator's `max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rematlab.core.batch import Batch, tensors
+from rematlab.core.layout import DDP, FSDP
+from rematlab.core.recipe import Step
+from rematlab.distributed.group import mesh_for
+from rematlab.distributed.meter import RankTracker
+from rematlab.distributed.shard import shard
+from rematlab.plans.plan import Plan
+from rematlab.preflight.fake import FakeSession
+from rematlab.remat.strategies import apply
+
+PARAMS, STATE, INPUTS = "parameter shards", "optimizer state", "batch and buffers"
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """A plan's per-rank step peak (the largest rank's), what held it at that moment on this
+    rank (`breakdown`, bytes by kind; absent on CUDA), and how it was metered."""
+
+    peak: int
+    world_size: int
+    method: str
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RankEngine:
+    """Runs a plan's sharded step (module docstring). `layers`: the names of the blocks a
+    plan's items refer to (None: a chain model, `apply` finds them); `units`: the FSDP
+    units' names; `session`: the fake-tensor session of a prediction (None: measured);
+    `unit`: the allocator's block size bytes are rounded to; `extra`: bytes resident on
+    every rank beyond the step's tensors (a CUDA target's cuBLAS workspace)."""
+
+    model: nn.Module
+    batch: Batch
+    step: Step
+    layout: FSDP | DDP
+    world_size: int
+    units: list[str]
+    layers: list[str] | None
+    session: FakeSession | None = None
+    unit: int = 1
+    extra: int = 0
+    results: dict[str, RankPeak] = field(default_factory=dict)
+
+    @property
+    def device_type(self) -> str:
+        if self.session is not None:
+            return "cpu"
+        return next(tensors(self.batch)).device.type
+
+    def peak(self, chosen: Plan) -> RankPeak:
+        """`chosen`'s per-rank step peak, run once per plan."""
+        key = chosen.describe()
+        if key not in self.results:
+            self.results[key] = self._run(chosen)
+        return self.results[key]
+
+    def _run(self, chosen: Plan) -> RankPeak:
+        fake = self.session is not None
+        with mesh_for(self.world_size, self.device_type, fake) as mesh:
+            twin = meta_copy(self.model) if fake else copy.deepcopy(self.model)
+            units = [twin.get_submodule(n) for n in self.units]
+            planned = shard(apply(twin, chosen, blocks=self.layers), units, self.layout, mesh)
+            if not fake:
+                return self._metered(planned, self.batch, readable=True)
+            with self.session.active():
+                planned.to_empty(device="cpu")
+                return self._metered(planned, self.session.batch(self.batch), readable=False)
+
+    def _metered(self, model: nn.Module, batch: Batch, readable: bool) -> RankPeak:
+        optimizer = self.step.make_optimizer(model.parameters())
+        self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
+        cuda = self.device_type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.step.train_step(model, batch, optimizer=optimizer)
+            peak, split, method = torch.cuda.max_memory_allocated(), {}, \
+                "torch.cuda.max_memory_allocated"
+        else:
+            tracker = RankTracker(self.unit)
+            tracker.track(model.parameters(), PARAMS)
+            tracker.track(_state(optimizer), STATE)
+            tracker.track([*model.buffers(), *tensors(batch)], INPUTS)
+            with tracker:
+                self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
+            peak, split, method = tracker.peak, tracker.at_peak, tracker.method
+        # resident beyond the tracked tensors: DDP's buckets (made in C++ at construction,
+        # seen by CUDA's allocator but by no dispatch mode), a CUDA target's workspace
+        extra = {"gradient buckets": ddp_buckets(model)
+                 if isinstance(self.layout, DDP) and not cuda else 0,
+                 "cuBLAS workspace": self.extra}
+        extra = {k: v for k, v in extra.items() if v}
+        peak += sum(extra.values())
+        if self.session is None and self.world_size > 1:
+            peak = _largest(peak, "cuda" if cuda else "cpu")
+        return RankPeak(peak, self.world_size, method, {**split, **extra})
+
+
+def ddp_buckets(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets: the reducer keeps one flat buffer per bucket, which
+    together cover every trainable parameter, beside the gradients themselves
+    (`gradient_as_bucket_view=False`, torch's default)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for s in optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _largest(peak: int, device: str) -> int:
+    """The largest peak over the ranks (every rank gets the same answer)."""
+    value = torch.tensor([peak], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """`module`'s twin on the meta device (tied weights stay tied): its shapes, no data."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False),
+                  *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
+            if id(t) not in memo:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = (nn.Parameter(meta, requires_grad=t.requires_grad)
+                               if isinstance(t, nn.Parameter) else meta)
+    return copy.deepcopy(module, memo)

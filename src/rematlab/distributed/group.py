@@ -1,0 +1,54 @@
+"""The process group a rank's step runs on: the user's, initialised by `torchrun` (gloo on CPU,
+NCCL on GPUs), for a measured plan; or a fake one of N ranks in this process for a predicted
+plan (`torch.testing._internal.distributed.fake_pg`, whose collectives return at once and move
+no data: every rank's tensors have rank 0's shapes, which is all a peak needs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from rematlab.core.layout import DDP, FSDP
+from rematlab.exceptions import ConfigError
+
+
+def world_size(layout: FSDP | DDP, predict: bool) -> int:
+    """The ranks a layout is for: its own count, else (measured) the process group's. A
+    measured layout needs the user's process group, and one of that size."""
+    if predict:
+        if layout.world_size is None:
+            raise ConfigError(f"a predicted {layout.kind.upper()} plan needs the world size: "
+                              f"say how many ranks (--{layout.kind} N)")
+        return layout.world_size
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"a measured {layout.kind.upper()} plan runs on the job's process "
+                          "group, and none is initialised: run under torchrun (or call "
+                          "torch.distributed.init_process_group first), or predict the plan "
+                          "for N ranks (predict=True, --predict)")
+    size = dist.get_world_size()
+    if layout.world_size is not None and layout.world_size != size:
+        raise ConfigError(f"the layout is for {layout.world_size} ranks but the process group "
+                          f"has {size}")
+    return size
+
+
+@contextlib.contextmanager
+def mesh_for(size: int, device_type: str, fake: bool) -> Iterator[DeviceMesh]:
+    """A one-dimensional mesh over `size` ranks: of the user's group, or (`fake`) of a fake
+    group made for the block and destroyed after it."""
+    if not fake:
+        yield init_device_mesh(device_type, (size,))
+        return
+    if dist.is_initialized():
+        raise ConfigError("a predicted layout simulates its ranks on a process group of its "
+                          "own: predict outside an initialised process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+    try:
+        yield init_device_mesh(device_type, (size,))
+    finally:
+        dist.destroy_process_group()

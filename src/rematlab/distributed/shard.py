@@ -1,0 +1,67 @@
+"""Shard a model as a layout says: FSDP2's `fully_shard` on each unit, then on the root (as
+torchtitan applies it), or DDP around the whole model. Applied to rematlab's own copies of the
+user's model, after the plan (checkpointing goes inside the units, as torchtitan orders it)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from rematlab.core.layout import DDP, FSDP
+from rematlab.exceptions import ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def unit_names(model: nn.Module, layout: FSDP | DDP, layers: list[str]) -> list[str]:
+    """The modules `fully_shard` goes on before the root, by name: the layout's, checked
+    against the model, or the layers the plan runs over (none for DDP)."""
+    if not isinstance(layout, FSDP):
+        return []
+    if layout.units is None:
+        return list(layers)
+    names = dict(model.named_modules())
+    for name in layout.units:
+        if name not in names or name == "":
+            raise ConfigError(f"FSDP unit {name!r} is not a module of the model (units are "
+                              "names such as 'model.layers.0'; the root is sharded anyway)")
+    return list(layout.units)
+
+
+def unit_params(model: nn.Module, units: list[str]) -> list[list[nn.Parameter]]:
+    """Each unit's own parameters (those of a nested unit excluded, as FSDP2 groups them),
+    then the root's (the rest)."""
+    seen: set[int] = set()
+    groups: list[list[nn.Parameter]] = []
+    for name in sorted(units, key=lambda n: -n.count(".")):  # innermost units first
+        own = [p for p in model.get_submodule(name).parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        groups.append((name, own))
+    by_name = dict(groups)
+    root = [p for p in model.parameters() if id(p) not in seen]
+    return [by_name[n] for n in units] + [root]
+
+
+def shard(model: nn.Module, units: list[nn.Module], layout: FSDP | DDP, mesh: DeviceMesh
+          ) -> nn.Module:
+    """`model` sharded by `layout` over `mesh`: FSDP2 in place on `units` then the root (the
+    model itself comes back), or a `DistributedDataParallel` around it."""
+    if isinstance(layout, DDP):
+        from torch.nn.parallel import DistributedDataParallel
+
+        cuda = mesh.device_type == "cuda"
+        return DistributedDataParallel(
+            model, bucket_cap_mb=layout.bucket_cap_mb, process_group=mesh.get_group(),
+            device_ids=[torch.cuda.current_device()] if cuda else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES.get(layout.param_dtype or ""),
+        reduce_dtype=DTYPES.get(layout.reduce_dtype or ""))
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
+                    mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
+                mp_policy=policy)
+    return model

@@ -1,0 +1,68 @@
+"""Planning for one rank of a parallel layout (`Step(layout=FSDP(...) | DDP(...))`): the
+profiled costs become the rank's (`rematlab.distributed.pricing`), and every candidate plan is
+verified by the rank's step run under it (`rematlab.distributed.engine.RankEngine`) — on the
+job's process group when measured, on a fake group of N ranks when predicted."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from rematlab.core.recipe import Step
+from rematlab.distributed.engine import RankEngine
+from rematlab.distributed.group import world_size
+from rematlab.distributed.pricing import per_rank
+from rematlab.distributed.shard import unit_names, unit_params
+from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import ChainCosts
+from rematlab.preflight.fake import FakeSession
+from rematlab.preflight.targets import Target
+from rematlab.remat.structure import Structure
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """A model already under `fully_shard` or DDP cannot be copied unsharded: say how to
+    plan it instead."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or any(
+            isinstance(m, FSDPModule) for m in model.modules()):
+        raise ConfigError("the model is already sharded (fully_shard or DDP): plan the "
+                          "unsharded model with step=Step(layout=FSDP(...) or DDP(...)); "
+                          "rematlab shards its own copies, and the plan is applied before "
+                          "sharding")
+
+
+def for_rank(model: nn.Module, batch: object, st: Structure, step: Step, costs: ChainCosts,
+             target: Target | None) -> tuple[ChainCosts, RankEngine]:
+    """The rank's costs and the engine that verifies plans for it (module docstring);
+    `target` is set when predicting."""
+    layout = step.layout
+    assert layout is not None
+    predict = target is not None
+    world = world_size(layout, predict)
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = [names[id(b)] for b in st.blocks] if st.kind == "layers" else None
+    chain = [names.get(id(b)) for b in st.blocks]
+    if layout.kind == "fsdp" and getattr(layout, "units", None) is None and None in chain:
+        raise ConfigError("this model's blocks are not modules of it: name the FSDP units "
+                          "(FSDP(units=...))")
+    units = unit_names(model, layout, layers if layers is not None else
+                       [n for n in chain if n is not None])
+    if not predict and world > 1:
+        shared = [costs]
+        dist.broadcast_object_list(shared, src=0)  # every rank plans from rank 0's profile
+        costs = shared[0]
+    offset = 1 if st.kind == "layers" else 0  # a layer model's chain starts with "before"
+    block_units = [None] * costs.n
+    for i, name in enumerate(layers if layers is not None else chain):
+        if name in units:
+            block_units[i + offset] = units.index(name)
+    costs = per_rank(costs, unit_params(model, units), block_units, layout, world)
+    cuda = predict and target.kind == "cuda"
+    engine = RankEngine(model, batch, step, layout, world, units, layers,
+                        session=FakeSession(cuda=cuda) if predict else None,
+                        unit=target.unit if predict else 1,
+                        extra=target.workspace if cuda else 0)
+    return costs, engine

@@ -1,0 +1,154 @@
+"""Rank workers for the distributed tests: real `torch.distributed` over gloo on this CPU,
+loopback only, one process per rank (`spawn`). Each writes what it found to `out/rank{r}.json`.
+
+The user's side is written with torch's own APIs, as a user would: the plan applied with
+`rematlab.apply` to the unsharded model, then `fully_shard` on each layer and on the root (or
+DDP), AdamW, one warm-up step, and the next step metered by torch's `FSDPMemTracker` (or
+`MemTracker` plus DDP's buckets, which no dispatch mode sees, by the allocator's count of
+what the DDP constructor allocated)."""
+
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import rematlab
+from rematlab import DDP, FSDP, Plan, Step
+from rematlab.core.batch import call, tensors
+from rematlab.core.probes import CpuAllocatorTrace
+from rematlab.core.steps import default_loss
+from tests.realzoo import gpt2, llama
+
+MODELS = {"gpt2": (gpt2, "transformer.h"), "llama": (llama, "model.layers")}
+
+
+def made(name: str):
+    """The model and batch every rank and the predicting process build alike."""
+    torch.manual_seed(0)
+    factory, _ = MODELS[name]
+    return factory(batch=4, seq=64, layers=4, width=128)
+
+
+def layers_of(model, name: str) -> list:
+    return list(model.get_submodule(MODELS[name][1]))
+
+
+def spawn(worker, world: int, out: Path, *args) -> list[dict]:
+    """Run `worker(rank, world, out, *args)` on `world` gloo ranks; their JSON results."""
+    with socket.socket() as s:  # a free loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_entry, args=(world, port, worker, out, args), nprocs=world)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _entry(rank: int, world: int, port: int, worker, out: Path, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = worker(rank, world, *args)
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _user_step(model, opt, batch) -> None:
+    opt.zero_grad(set_to_none=True)
+    out = call(model, batch)
+    default_loss(out, batch).backward()
+    opt.step()
+    del out
+
+
+def user_fsdp_peak(model, name: str, plan: Plan, batch) -> int:
+    """The user's own FSDP2 loop under `plan`, metered by FSDPMemTracker."""
+    twin = copy.deepcopy(model)
+    planned = rematlab.apply(twin, plan)
+    for layer in layers_of(twin, name):
+        fully_shard(layer)
+    fully_shard(planned)
+    opt = torch.optim.AdamW(planned.parameters(), lr=1e-3)
+    _user_step(planned, opt, batch)
+    tracker = FSDPMemTracker(planned, opt)
+    tracker.track_inputs((batch,))
+    with tracker:
+        _user_step(planned, opt, batch)
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def sharded_grads(model, name: str, plan: Plan, batch) -> dict[str, torch.Tensor]:
+    """Float64 gradients of one step of the planned, sharded model, gathered."""
+    twin = copy.deepcopy(model).double()
+    planned = rematlab.apply(twin, plan)
+    for layer in layers_of(twin, name):
+        fully_shard(layer)
+    fully_shard(planned)
+    torch.manual_seed(1)  # the same dropout masks as the plain run's
+    default_loss(call(planned, batch), batch).backward()
+    return {n: p.grad.full_tensor() for n, p in planned.named_parameters()}
+
+
+def plain_grads(model, batch) -> dict[str, torch.Tensor]:
+    twin = copy.deepcopy(model).double()
+    torch.manual_seed(1)
+    default_loss(call(twin, batch), batch).backward()
+    return {n: p.grad for n, p in twin.named_parameters()}
+
+
+def fsdp_worker(rank: int, world: int, names: list[str]) -> dict:
+    """For each model: plans at the per-rank floor, midway and unconstrained, each metered
+    in the user's own loop; the floor plan's gathered gradients against the plain model's."""
+    found = {}
+    for name in names:
+        model, batch = made(name)
+        planning = rematlab.prepare(model, batch,
+                                    step=Step(optimizer=torch.optim.AdamW, layout=FSDP()))
+        floor = planning.floor_budget()
+        full = planning.measure(planning.unconstrained)
+        rows = []
+        for budget in (floor, (floor + full) // 2, full):
+            plan = planning.choose(budget)
+            rows.append({"budget": budget, "plan": plan.to_json(),
+                         "measured": plan.measured_peak,
+                         "user": user_fsdp_peak(model, name, plan, batch)})
+        floor_plan = Plan.from_json(rows[0]["plan"])
+        got, want = sharded_grads(model, name, floor_plan, batch), plain_grads(model, batch)
+        error = max(float((got[k] - want[k]).abs().max()) for k in want)
+        found[name] = {"rows": rows, "grad_error": error, "grads": len(got),
+                       "plain_grads": len(want)}
+    return found
+
+
+def ddp_worker(rank: int, world: int) -> dict:
+    """A DDP plan at the single-process unconstrained plan's peak, metered in the user's DDP
+    loop: MemTracker for the step, the allocator for the buckets the constructor makes."""
+    model, batch = made("gpt2")
+    alone = rematlab.prepare(model, batch, step=Step(optimizer=torch.optim.AdamW))
+    budget = alone.measure(alone.unconstrained)
+    planning = rematlab.prepare(model, batch,
+                                step=Step(optimizer=torch.optim.AdamW, layout=DDP()))
+    plan = planning.choose(budget)
+    planned = rematlab.apply(copy.deepcopy(model), plan)
+    with CpuAllocatorTrace() as ctor:
+        ddp = DistributedDataParallel(planned)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    _user_step(ddp, opt, batch)
+    tracker = MemTracker()
+    tracker.track_external(ddp, opt, *tensors(batch))
+    with tracker:
+        _user_step(ddp, opt, batch)
+    step_peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    return {"budget": budget, "plan": plan.describe(), "alone": alone.choose(budget).describe(),
+            "measured": plan.measured_peak, "buckets": ctor.peak,
+            "grads": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "user": step_peak + ctor.peak}
