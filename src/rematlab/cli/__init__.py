@@ -27,6 +27,17 @@ def _warning_line(message: Warning | str, category: type[Warning], *_: object, *
     sys.stderr.write(f"warning: {str(message).splitlines()[0]}\n")
 
 
+def _layout_values(args: list[str]) -> list[str]:
+    """`--fsdp` / `--ddp` alone (under torchrun: the job's ranks) as `--fsdp job`: typer's
+    options take a value or none, not an optional one."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg in ("--fsdp", "--ddp") and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("job")
+    return out
+
+
 def main() -> None:
     """The console entry point: typer's usage errors (a missing option, `--batch abc`) are
     one `error:` line and exit status 2, like every other bad input; warnings are one
@@ -42,7 +53,8 @@ def main() -> None:
     click = getattr(typer, "_click", None) or importlib.import_module("click")
     command = typer.main.get_command(app)
     try:
-        code = command.main(args=sys.argv[1:], prog_name="rematlab", standalone_mode=False)
+        code = command.main(args=_layout_values(sys.argv[1:]), prog_name="rematlab",
+                            standalone_mode=False)
     except click.exceptions.UsageError as exc:
         message = exc.format_message().strip()
         if not message and exc.ctx is not None:  # no arguments: the help, as usage

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from rematlab.core.files import jsonable
-from rematlab.exceptions import RematlabError
+from rematlab.exceptions import ConfigError, RematlabError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure, model and optimize activation rematerialization in PyTorch.")
@@ -83,6 +83,11 @@ Target = Annotated[str | None, typer.Option(
 WeightDtype = Annotated[str, typer.Option(help="the model's weights: float32, bfloat16, ...")]
 Lora = Annotated[int | None, typer.Option(
     help="freeze the model and train LoRA adapters of this rank (peft when installed)")]
+Fsdp = Annotated[str | None, typer.Option(
+    "--fsdp", metavar="[N]", help="plan one rank of FSDP2 over N ranks (with --predict: simulated here; alone, under "
+         "torchrun: the job's ranks, measured)")]
+Ddp = Annotated[str | None, typer.Option(
+    "--ddp", metavar="[N]", help="plan one rank of DDP over N ranks (as --fsdp)")]
 Blocks = Annotated[str | None, typer.Option(
     help="the layers the model's own loop runs, comma-separated names, e.g. transformer.h")]
 
@@ -97,6 +102,30 @@ def _step(optimizer: str, precision: str, micro_batches: int, clip: float | None
                 optimizer=None if optimizer == "none" else optimizer,
                 set_to_none=not grads_to_zero,
                 fn=load_object(step_fn, "step function") if step_fn else None)
+
+
+def _layout(fsdp: str | None, ddp: str | None, predict: bool, device: str) -> Any:
+    """The step's parallel layout from --fsdp / --ddp (N, or the job's ranks: then the
+    process group torchrun describes is joined here)."""
+    from rematlab.core.layout import DDP, FSDP
+    from rematlab.distributed.group import join_job
+
+    if fsdp is not None and ddp is not None:
+        raise ConfigError("give one layout: --fsdp or --ddp")
+    given = fsdp if fsdp is not None else ddp
+    if given is None:
+        return None
+    size = None
+    if given != "job":
+        try:
+            size = int(given)
+        except ValueError:
+            raise ConfigError(f"--{'fsdp' if fsdp is not None else 'ddp'} takes a world size, "
+                              f"got {given!r}") from None
+    layout = FSDP(size) if fsdp is not None else DDP(size)
+    if not predict:
+        join_job(device)
+    return layout
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:

@@ -14,7 +14,9 @@ from rematlab.cli.app import (
     Blocks,
     Budget,
     Clip,
+    Ddp,
     Example,
+    Fsdp,
     GradsToZero,
     InputDtype,
     InputScale,
@@ -27,6 +29,7 @@ from rematlab.cli.app import (
     Target,
     Vocab,
     WeightDtype,
+    _layout,
     _print_json,
     _shape,
     _step,
@@ -134,11 +137,17 @@ def plan_cmd(
     ops: Annotated[bool, typer.Option(
         "--ops", help="also offer op-level options per block: save some ops' outputs "
         "(matmuls, ...), recompute the rest")] = False,
+    fsdp: Fsdp = None,
+    ddp: Ddp = None,
     out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The fastest checkpointing plan whose whole-step peak fits the budget (or each of
-    several budgets, from one profile)."""
+    several budgets, from one profile); with --fsdp or --ddp, for one rank of the job."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
     from rematlab.planning.planner import prepare
 
     if compile and predict:
@@ -150,12 +159,16 @@ def plan_cmd(
     wanted = _budget_list(budget, budgets)
     if out is not None and len(wanted) > 1:
         raise ConfigError("--out writes one plan: give one --budget")
+    layout = _layout(fsdp, ddp, predict, device)
     net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
                                       device, dtype, lora, predict)
-    step = _step(optimizer, precision, micro_batches, clip, grads_to_zero, step_fn)
+    step = replace(_step(optimizer, precision, micro_batches, clip, grads_to_zero, step_fn),
+                   layout=layout)
     planning = prepare(net, batches(batch), step=step, blocks=blocks or None, predict=predict,
                        target=target, compile=compile, ops=ops)
     summaries = [_plan_summary(planning, b) for b in wanted]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return  # every rank planned alike: rank 0 reports
     if out is not None:
         write_text(out, json.dumps(summaries[0]["plan_json"]))
     if as_json:
@@ -171,6 +184,7 @@ def plan_cmd(
         _print_budget_table(summaries)
     else:
         _print_plan(summaries[0], budget)
+        _print_rank(summaries[0].get("per_rank"))
     if out is not None:
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
     if compile:
@@ -230,6 +244,8 @@ def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
 
 def _plan_summary(planning: Any, budget: str) -> dict:
     """One budget's plan and the fixed strategies beside it, as `rematlab plan` reports it."""
+    from dataclasses import asdict
+
     from rematlab.plans.simulate import overhead
 
     derived = planning.budget(budget)
@@ -243,7 +259,8 @@ def _plan_summary(planning: Any, budget: str) -> dict:
             "overhead_interval": (list(planning.overhead_interval(chosen))
                                   if planning.target is not None else None),
             "target": planning.target.name if planning.target is not None else None,
-            "baselines": rows, "plan_json": json.loads(chosen.to_json())}
+            "baselines": rows, "plan_json": json.loads(chosen.to_json()),
+            **({"per_rank": asdict(planning.rank(chosen))} if planning.ranks else {})}
 
 
 def _print_plan(summary: dict, budget: str | None) -> None:
@@ -268,6 +285,20 @@ def _print_plan(summary: dict, budget: str | None) -> None:
     for r in rows:
         table.add_row(r["strategy"], format_bytes(r["peak"]), f"{r['peak_ratio']:.2f}",
                       f"{r['overhead']:+.1%}", "yes" if r["fits"] else "no")
+    console.print(table)
+
+
+def _print_rank(found: dict | None) -> None:
+    """One rank's peak under the layout, and what held it at that moment."""
+    if not found:
+        return
+    table = Table(title=f"one rank of {found['world_size']}, at its peak "
+                  f"({found['method']})")
+    for col in ("held by", "bytes"):
+        table.add_column(col, justify="right")
+    for kind, nbytes in found["breakdown"].items():
+        table.add_row(kind, format_bytes(nbytes))
+    table.add_row("peak", format_bytes(found["peak"]))
     console.print(table)
 
 

@@ -35,6 +35,10 @@ def _world(world_size: int | None) -> None:
                           f"{world_size!r}")
 
 
+def _ranks(world_size: int | None) -> str:
+    return f"{world_size} ranks" if world_size else "the job's ranks"
+
+
 @dataclass(frozen=True)
 class FSDP:
     """FSDP2 over `world_size` ranks (None: the initialised process group's size).
@@ -73,7 +77,7 @@ class FSDP:
         mp = f", params {self.param_dtype}" if self.param_dtype else ""
         mp += f", reduce {self.reduce_dtype}" if self.reduce_dtype else ""
         keep = "" if self.reshard_after_forward else ", kept gathered after forward"
-        return f"FSDP2 over {self.world_size or 'every'} ranks{mp}{keep}"
+        return f"FSDP2 over {_ranks(self.world_size)}{mp}{keep}"
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "world_size": self.world_size,
@@ -101,7 +105,7 @@ class DDP:
                               f"{self.bucket_cap_mb!r}")
 
     def describe(self) -> str:
-        return f"DDP over {self.world_size or 'every'} ranks, {self.bucket_cap_mb:g} MiB buckets"
+        return f"DDP over {_ranks(self.world_size)}, {self.bucket_cap_mb:g} MiB buckets"
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "world_size": self.world_size,

@@ -5,7 +5,9 @@ no data: every rank's tensors have rank 0's shapes, which is all a peak needs)."
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -52,3 +54,18 @@ def mesh_for(size: int, device_type: str, fake: bool) -> Iterator[DeviceMesh]:
         yield init_device_mesh(device_type, (size,))
     finally:
         dist.destroy_process_group()
+
+
+def join_job(device: str) -> None:
+    """Join the process group `torchrun` describes in the environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, ...), over NCCL for a GPU and gloo otherwise; nothing outside a job or when
+    the group is up already (a measured layout then says how to run it)."""
+    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    atexit.register(dist.destroy_process_group)  # a rank that leaves first must not abort
