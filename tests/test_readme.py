@@ -83,7 +83,8 @@ def _your_config() -> dict:
 
 GIVEN = {"Your step: mixed precision, accumulation, clipping, your optimizer": _your_model,
          "With your trainer": _your_trainers,
-         "Before you rent the GPU: pre-flight": _your_config}
+         "Before you rent the GPU: pre-flight": _your_config,
+         "Many GPUs: one rank of FSDP2 or DDP": _your_config}
 
 
 def test_the_readme_has_python_blocks_and_each_section_with_given_names_is_known():

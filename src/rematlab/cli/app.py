@@ -84,7 +84,8 @@ WeightDtype = Annotated[str, typer.Option(help="the model's weights: float32, bf
 Lora = Annotated[int | None, typer.Option(
     help="freeze the model and train LoRA adapters of this rank (peft when installed)")]
 Fsdp = Annotated[str | None, typer.Option(
-    "--fsdp", metavar="[N]", help="plan one rank of FSDP2 over N ranks (with --predict: simulated here; alone, under "
+    "--fsdp", metavar="[N]",
+    help="plan one rank of FSDP2 over N ranks (with --predict: simulated here; alone, under "
          "torchrun: the job's ranks, measured)")]
 Ddp = Annotated[str | None, typer.Option(
     "--ddp", metavar="[N]", help="plan one rank of DDP over N ranks (as --fsdp)")]

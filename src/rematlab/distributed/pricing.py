@@ -38,13 +38,23 @@ def shard_bytes(param: nn.Parameter, world: int, itemsize: int | None = None) ->
 
 
 def per_rank(costs: ChainCosts, groups: list[list[nn.Parameter]], block_units: list[int | None],
-             layout: FSDP | DDP, world: int) -> ChainCosts:
+             layout: FSDP | DDP, world: int, scale: float = 1.0) -> ChainCosts:
     """`costs` for one rank (module docstring). `groups`: each FSDP unit's parameters, then
-    the root's; `block_units[i]`: the unit block i runs (None: the root's code)."""
+    the root's; `block_units[i]`: the unit block i runs (None: the root's code); `scale`:
+    the parameters' bytes over those of the model profiled (2 for fp32 parameters profiled
+    in a bf16 `param_dtype`: their state and kept gradients are the parameters' dtype)."""
     params = [p for g in groups for p in g]
     trainable = [p for p in params if p.requires_grad]
     whole = sum(p.numel() * p.element_size() for p in params)
     grads = sum(p.numel() * p.element_size() for p in trainable)
+    if scale != 1.0:  # the profile's parameters, gradients and state at the parameters' dtype
+        params_more, grads_more = (round(b * (1 - 1 / scale)) for b in (whole, grads))
+        state_more = round(costs.state * (scale - 1))
+        costs = replace(costs, base=costs.base + params_more + state_more
+                        + (grads_more if costs.grads_resident else 0),
+                        state=costs.state + state_more, grad=[round(g * scale) for g in costs.grad],
+                        optimizer_peak=costs.optimizer_peak + params_more + grads_more
+                        + state_more)
     if isinstance(layout, DDP):
         return replace(costs, base=costs.base + grads,
                        optimizer_peak=costs.optimizer_peak + grads)

@@ -33,14 +33,11 @@ def unit_params(model: nn.Module, units: list[str]) -> list[list[nn.Parameter]]:
     """Each unit's own parameters (those of a nested unit excluded, as FSDP2 groups them),
     then the root's (the rest)."""
     seen: set[int] = set()
-    groups: list[list[nn.Parameter]] = []
+    own: dict[str, list[nn.Parameter]] = {}
     for name in sorted(units, key=lambda n: -n.count(".")):  # innermost units first
-        own = [p for p in model.get_submodule(name).parameters() if id(p) not in seen]
-        seen |= {id(p) for p in own}
-        groups.append((name, own))
-    by_name = dict(groups)
-    root = [p for p in model.parameters() if id(p) not in seen]
-    return [by_name[n] for n in units] + [root]
+        own[name] = [p for p in model.get_submodule(name).parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own[name]}
+    return [own[n] for n in units] + [[p for p in model.parameters() if id(p) not in seen]]
 
 
 def shard(model: nn.Module, units: list[nn.Module], layout: FSDP | DDP, mesh: DeviceMesh

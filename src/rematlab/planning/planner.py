@@ -30,7 +30,7 @@ from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
-from rematlab.planning.ranks import for_rank, refuse_sharded
+from rematlab.planning.ranks import for_rank, profiled_model, refuse_sharded
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -243,14 +243,16 @@ def prepare(
     if user_step.layout is not None and compile:
         raise ConfigError("compiled plans under a parallel layout are not supported: plan "
                           "eager (compile=False)")
-    st = structure(model, example_inputs, blocks)
+    profiled = profiled_model(model, user_step)  # under a layout: in its param_dtype
+    st = structure(profiled, example_inputs, blocks)
     if predict:
-        costs, tgt = predicted_costs(model, example_inputs, st, device, user_step, target, ops)
+        costs, tgt = predicted_costs(profiled, example_inputs, st, device, user_step, target,
+                                     ops)
         if user_step.layout is None:
             return Planning(model, st, example_inputs, costs,
                             solve(costs, layers=st.kind == "layers"), False, False,
                             user_step, tgt)
-        costs, engine = for_rank(model, example_inputs, st, user_step, costs, tgt)
+        costs, engine = for_rank(model, profiled, example_inputs, st, user_step, costs, tgt)
         return Planning(model, st, example_inputs, costs,
                         solve(costs, layers=st.kind == "layers"), verify, False, user_step,
                         tgt, ranks=engine)
@@ -264,15 +266,15 @@ def prepare(
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":  # its first forward (`capture`) checks the batch
         with compiling():
-            costs = profile_layers(model, batch, st.blocks, step=user_step, repeats=repeats,
-                                   compile=compile, ops=ops)
+            costs = profile_layers(profiled, batch, st.blocks, step=user_step,
+                                   repeats=repeats, compile=compile, ops=ops)
     else:
-        runs_on(model, model, batch, type(model).__name__)
+        runs_on(profiled, profiled, batch, type(model).__name__)
         costs = profile_chain(st.blocks, one_tensor(batch), device=dev, repeats=repeats,
                               compile=compile, ops=ops, step=user_step)
     engine = None
     if user_step.layout is not None:
-        costs, engine = for_rank(model, batch, st, user_step, costs, None)
+        costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None)
     solution = solve(costs, layers=st.kind == "layers")
     return Planning(model, st, batch, costs, solution, verify, compile, user_step,
                     ranks=engine)

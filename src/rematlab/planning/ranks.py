@@ -5,6 +5,8 @@ job's process group when measured, on a fake group of N ranks when predicted."""
 
 from __future__ import annotations
 
+import copy
+
 import torch.distributed as dist
 from torch import nn
 
@@ -12,7 +14,7 @@ from rematlab.core.recipe import Step
 from rematlab.distributed.engine import RankEngine
 from rematlab.distributed.group import world_size
 from rematlab.distributed.pricing import per_rank
-from rematlab.distributed.shard import unit_names, unit_params
+from rematlab.distributed.shard import DTYPES, unit_names, unit_params
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession
@@ -34,15 +36,27 @@ def refuse_sharded(model: nn.Module) -> None:
                           "sharding")
 
 
-def for_rank(model: nn.Module, batch: object, st: Structure, step: Step, costs: ChainCosts,
-             target: Target | None) -> tuple[ChainCosts, RankEngine]:
-    """The rank's costs and the engine that verifies plans for it (module docstring);
-    `target` is set when predicting."""
+def profiled_model(model: nn.Module, step: Step) -> nn.Module:
+    """The model whose layers are profiled for a rank: under an FSDP mixed-precision policy,
+    a copy in its `param_dtype`, the dtype the gathered parameters and the activations have
+    (FSDP2 casts the unit's inputs too); else the model itself."""
+    layout = step.layout
+    dtype = getattr(layout, "param_dtype", None)
+    if dtype is None or all(p.dtype == DTYPES[dtype] for p in model.parameters()):
+        return model
+    return copy.deepcopy(model).to(DTYPES[dtype])
+
+
+def for_rank(model: nn.Module, profiled: nn.Module, batch: object, st: Structure, step: Step,
+             costs: ChainCosts, target: Target | None) -> tuple[ChainCosts, RankEngine]:
+    """The rank's costs and the engine that verifies plans for it (module docstring), from
+    the costs of `profiled` (`profiled_model`) and structure `st` found on it; `target` is
+    set when predicting."""
     layout = step.layout
     assert layout is not None
     predict = target is not None
     world = world_size(layout, predict)
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n for n, m in profiled.named_modules()}
     layers = [names[id(b)] for b in st.blocks] if st.kind == "layers" else None
     chain = [names.get(id(b)) for b in st.blocks]
     if layout.kind == "fsdp" and getattr(layout, "units", None) is None and None in chain:
@@ -59,7 +73,9 @@ def for_rank(model: nn.Module, batch: object, st: Structure, step: Step, costs: 
     for i, name in enumerate(layers if layers is not None else chain):
         if name in units:
             block_units[i + offset] = units.index(name)
-    costs = per_rank(costs, unit_params(model, units), block_units, layout, world)
+    scale = (sum(p.numel() * p.element_size() for p in model.parameters())
+             / max(1, sum(p.numel() * p.element_size() for p in profiled.parameters())))
+    costs = per_rank(costs, unit_params(model, units), block_units, layout, world, scale)
     cuda = predict and target.kind == "cuda"
     engine = RankEngine(model, batch, step, layout, world, units, layers,
                         session=FakeSession(cuda=cuda) if predict else None,
