@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from rematlab.distributed.group import mesh_for
 from rematlab.distributed.meter import RankTracker
 from rematlab.distributed.shard import shard
 from rematlab.plans.plan import Plan
-from rematlab.preflight.fake import FakeSession
+from rematlab.preflight.fake import FakeSession, twin
 from rematlab.remat.strategies import apply
 
 PARAMS, STATE, INPUTS = "parameter shards", "optimizer state", "batch and buffers"
@@ -146,12 +145,10 @@ def _largest(peak: int, device: str) -> int:
 
 def meta_copy(module: nn.Module) -> nn.Module:
     """`module`'s twin on the meta device (tied weights stay tied): its shapes, no data."""
-    memo: dict[int, Any] = {}
-    for m in module.modules():
-        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False),
-                  *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
-            if id(t) not in memo:
-                meta = torch.empty_like(t, device="meta")
-                memo[id(t)] = (nn.Parameter(meta, requires_grad=t.requires_grad)
-                               if isinstance(t, nn.Parameter) else meta)
-    return copy.deepcopy(module, memo)
+    return twin(module, _on_meta)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_like(t, device="meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+        else meta

@@ -27,6 +27,7 @@ from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn, runs_on
 from rematlab.core.units import infeasible
 from rematlab.distributed.engine import RankEngine, RankPeak
+from rematlab.distributed.group import world_size
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
@@ -240,9 +241,11 @@ def prepare(
         raise ConfigError("a target is planned for without running (predict=True); without "
                           "it, plans are measured on the device the batch is on")
     refuse_sharded(model)
-    if user_step.layout is not None and compile:
-        raise ConfigError("compiled plans under a parallel layout are not supported: plan "
-                          "eager (compile=False)")
+    if user_step.layout is not None:  # before any profiling: the ranks it is for
+        if compile:
+            raise ConfigError("compiled plans under a parallel layout are not supported: "
+                              "plan eager (compile=False)")
+        world_size(user_step.layout, predict)
     profiled = profiled_model(model, user_step)  # under a layout: in its param_dtype
     st = structure(profiled, example_inputs, blocks)
     if predict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -79,13 +79,18 @@ class FakeSession:
         return map_tensors(one, batch)
 
     def model(self, module: nn.Module) -> nn.Module:
-        """`module`'s fake twin: every parameter, buffer and tensor attribute faked (tied
-        weights stay tied), the rest deep-copied."""
-        memo: dict[int, Any] = {}
-        for t in [*module.parameters(), *module.buffers(), *_tensor_attributes(module)]:
-            if id(t) not in memo:
-                memo[id(t)] = self.tensor(t)
-        return copy.deepcopy(module, memo)
+        """`module`'s fake twin (`twin`)."""
+        return twin(module, self.tensor)
+
+
+def twin(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of `module` whose every parameter, buffer and tensor attribute is
+    `make(t)` (a fake or a meta tensor; tied weights stay tied), the rest deep-copied."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers(), *_tensor_attributes(module)]:
+        if id(t) not in memo:
+            memo[id(t)] = make(t)
+    return copy.deepcopy(module, memo)
 
 
 def _tensor_attributes(module: nn.Module) -> Iterator[torch.Tensor]:
