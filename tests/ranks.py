@@ -4,8 +4,7 @@ loopback only, one process per rank (`spawn`). Each writes what it found to `out
 The user's side is written with torch's own APIs, as a user would: the plan applied with
 `rematlab.apply` to the unsharded model, then `fully_shard` on each layer and on the root (or
 DDP), AdamW, one warm-up step, and the next step metered by torch's `FSDPMemTracker` (or
-`MemTracker` plus DDP's buckets, which no dispatch mode sees, by the allocator's count of
-what the DDP constructor allocated)."""
+`MemTracker` plus the bucket bytes DDP reports, which no dispatch mode sees)."""
 
 import copy
 import json
@@ -24,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 import rematlab
 from rematlab import DDP, FSDP, Plan, Step
 from rematlab.core.batch import call, tensors
-from rematlab.core.probes import CpuAllocatorTrace
 from rematlab.core.steps import default_loss
 from tests.realzoo import gpt2, llama
 
@@ -131,7 +129,8 @@ def fsdp_worker(rank: int, world: int, names: list[str]) -> dict:
 
 def ddp_worker(rank: int, world: int) -> dict:
     """A DDP plan at the single-process unconstrained plan's peak, metered in the user's DDP
-    loop: MemTracker for the step, the allocator for the buckets the constructor makes."""
+    loop: MemTracker for the step, and the buckets DDP reports it made (its logging data:
+    the C++ reducer allocates them, which no dispatch mode sees)."""
     model, batch = made("gpt2")
     alone = rematlab.prepare(model, batch, step=Step(optimizer=torch.optim.AdamW))
     budget = alone.measure(alone.unconstrained)
@@ -139,8 +138,8 @@ def ddp_worker(rank: int, world: int) -> dict:
                                 step=Step(optimizer=torch.optim.AdamW, layout=DDP()))
     plan = planning.choose(budget)
     planned = rematlab.apply(copy.deepcopy(model), plan)
-    with CpuAllocatorTrace() as ctor:
-        ddp = DistributedDataParallel(planned)
+    ddp = DistributedDataParallel(planned)
+    buckets = sum(int(b) for b in ddp._get_ddp_logging_data()["bucket_sizes"].split(","))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     _user_step(ddp, opt, batch)
     tracker = MemTracker()
@@ -148,7 +147,37 @@ def ddp_worker(rank: int, world: int) -> dict:
     with tracker:
         _user_step(ddp, opt, batch)
     step_peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-    return {"budget": budget, "plan": plan.describe(), "alone": alone.choose(budget).describe(),
-            "measured": plan.measured_peak, "buckets": ctor.peak,
+    read_back = rematlab.prepare(DistributedDataParallel(copy.deepcopy(model)), batch,
+                                 step=Step(optimizer=torch.optim.AdamW))
+    return {"read_back": [read_back.step.layout.kind, read_back.rank(plan).peak],
+            "budget": budget, "plan": plan.describe(), "alone": alone.choose(budget).describe(),
+            "measured": plan.measured_peak, "buckets": buckets,
             "grads": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "user": step_peak + ctor.peak}
+            "user": step_peak + buckets}
+
+
+def sharded_worker(rank: int, world: int) -> dict:
+    """The same plans' per-rank peaks when the model is given three ways: unsharded (with a
+    layout), already under `fully_shard` (its layout read back), and built on the meta device
+    (torchtitan's way); then a plan for the sharded model, run in the user's own loop."""
+    model, batch = made("gpt2")
+    step = Step(optimizer=torch.optim.AdamW)
+    plain = rematlab.prepare(model, batch, step=Step(optimizer=torch.optim.AdamW,
+                                                     layout=FSDP()))
+    sharded = copy.deepcopy(model)
+    for layer in layers_of(sharded, "gpt2"):
+        fully_shard(layer)
+    fully_shard(sharded)
+    read_back = rematlab.prepare(sharded, batch, step=step)
+    with torch.device("meta"):
+        meta, _ = made("gpt2")
+    built = rematlab.prepare(meta, batch, step=Step(optimizer=torch.optim.AdamW,
+                                                    layout=FSDP()))
+    plans = [plain.solution.frontier[0], plain.unconstrained]
+    budget = (plain.floor_budget() + plain.measure(plain.unconstrained)) // 2
+    chosen = read_back.choose(budget)
+    layout = read_back.step.layout
+    return {"peaks": [[p.rank(c).peak for c in plans] for p in (plain, read_back, built)],
+            "layout": [layout.kind, layout.world_size, list(layout.units)],
+            "budget": budget, "measured": chosen.measured_peak,
+            "user": user_fsdp_peak(model, "gpt2", chosen, batch)}

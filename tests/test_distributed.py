@@ -52,10 +52,11 @@ def test_fsdp_four_ranks(tmp_path):
 
 def test_ddp_plan_counts_the_gradient_buckets(tmp_path):
     for result in ranks.spawn(ranks.ddp_worker, 2, tmp_path):
-        assert result["buckets"] == result["grads"]  # the constructor's buckets: every grad
+        assert result["buckets"] == result["grads"]  # DDP's buckets: every gradient
         assert result["user"] <= result["budget"], result
         assert result["measured"] <= result["budget"]
         assert result["plan"] != result["alone"]  # the buckets forced more checkpointing
+        assert result["read_back"] == ["ddp", result["measured"]]  # a DDP model, read back
 
 
 def test_predicted_breakdown_adds_up_to_the_peak():
@@ -94,3 +95,12 @@ def test_cli_layout_errors(args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], \
         proc.stderr
+
+
+def test_a_sharded_or_meta_built_model_plans_like_the_unsharded_one(tmp_path):
+    for result in ranks.spawn(ranks.sharded_worker, 2, tmp_path):
+        plain, read_back, built = result["peaks"]
+        assert plain == read_back == built  # the same plans' per-rank peaks, to the byte
+        assert result["layout"] == ["fsdp", 2, [f"transformer.h.{i}" for i in range(4)]]
+        assert result["measured"] <= result["budget"]
+        assert result["user"] <= result["budget"]  # FSDPMemTracker in the user's loop

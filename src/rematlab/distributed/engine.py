@@ -16,7 +16,6 @@ a CUDA rank by the caching allocator's `max_memory_allocated`.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +64,7 @@ class RankEngine:
     session: FakeSession | None = None
     unit: int = 1
     extra: int = 0
+    source: nn.Module | None = None  # where a measured copy's values come from (`fill`)
     results: dict[str, RankPeak] = field(default_factory=dict)
 
     @property
@@ -83,14 +83,25 @@ class RankEngine:
     def _run(self, chosen: Plan) -> RankPeak:
         fake = self.session is not None
         with mesh_for(self.world_size, self.device_type, fake) as mesh:
-            twin = meta_copy(self.model) if fake else copy.deepcopy(self.model)
+            twin = meta_copy(self.model)  # never a second whole model in memory
             units = [twin.get_submodule(n) for n in self.units]
-            planned = shard(apply(twin, chosen, blocks=self.layers), units, self.layout, mesh)
-            if not fake:
-                return self._metered(planned, self.batch, readable=True)
-            with self.session.active():
-                planned.to_empty(device="cpu")
-                return self._metered(planned, self.session.batch(self.batch), readable=False)
+            planned = apply(twin, chosen, blocks=self.layers)
+            if fake:
+                planned = shard(planned, units, self.layout, mesh)
+                with self.session.active():
+                    planned.to_empty(device="cpu")
+                    return self._metered(planned, self.session.batch(self.batch),
+                                         readable=False)
+            device = next(tensors(self.batch)).device
+            if isinstance(self.layout, FSDP):  # each rank allocates its shards only
+                planned = shard(planned, units, self.layout, mesh)
+                planned.to_empty(device=device)
+                fill(planned, self.source or self.model)
+            else:  # DDP broadcasts the parameters as it wraps them: real ones first
+                planned.to_empty(device=device)
+                fill(planned, self.source or self.model)
+                planned = shard(planned, units, self.layout, mesh)
+            return self._metered(planned, self.batch, readable=True)
 
     def _metered(self, model: nn.Module, batch: Batch, readable: bool) -> RankPeak:
         optimizer = self.step.make_optimizer(model.parameters())
@@ -127,6 +138,32 @@ def ddp_buckets(model: nn.Module) -> int:
     together cover every trainable parameter, beside the gradients themselves
     (`gradient_as_bucket_view=False`, torch's default)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def fill(model: nn.Module, source: nn.Module) -> None:
+    """Give a measured copy `source`'s values, by name: a sharded source's own shards, this
+    rank's shard of an unsharded one (`distribute_tensor` slices it locally, as FSDP2 shards);
+    small random weights and zero buffers where the source has no data (a model built on
+    the meta device: the bytes, and so the peak, are the same)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    given = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            src = given.get(name)
+            if src is None or src.is_meta:
+                if local.is_floating_point() and isinstance(t, nn.Parameter):
+                    local.normal_(0.0, 0.02)
+                else:
+                    local.zero_()
+            elif isinstance(src, DTensor):
+                local.copy_(src.to_local())
+            elif isinstance(t, DTensor):
+                local.copy_(distribute_tensor(src.to(local.device), t.device_mesh, t.placements,
+                                              src_data_rank=None).to_local())
+            else:
+                local.copy_(src)
 
 
 def _state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from rematlab.distributed.group import world_size
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
-from rematlab.planning.ranks import for_rank, profiled_model, refuse_sharded
+from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -240,7 +240,7 @@ def prepare(
     if target is not None and not predict:
         raise ConfigError("a target is planned for without running (predict=True); without "
                           "it, plans are measured on the device the batch is on")
-    refuse_sharded(model)
+    model, user_step, source = adopt_sharded(model, user_step)  # fully_shard / DDP: read back
     if user_step.layout is not None:  # before any profiling: the ranks it is for
         if compile:
             raise ConfigError("compiled plans under a parallel layout are not supported: "
@@ -248,14 +248,21 @@ def prepare(
         world_size(user_step.layout, predict)
     profiled = profiled_model(model, user_step)  # under a layout: in its param_dtype
     st = structure(profiled, example_inputs, blocks)
-    if predict:
+    # a predicted plan, or one rank of a model too large for one (built on the meta device,
+    # or sharded already): fake-tensor costs; under a layout, each candidate run on the ranks
+    if predict or (user_step.layout is not None and on_meta(model)):
         costs, tgt = predicted_costs(profiled, example_inputs, st, device, user_step, target,
                                      ops)
         if user_step.layout is None:
             return Planning(model, st, example_inputs, costs,
                             solve(costs, layers=st.kind == "layers"), False, False,
                             user_step, tgt)
-        costs, engine = for_rank(model, profiled, example_inputs, st, user_step, costs, tgt)
+        if not predict and any(t.is_meta for t in tensors(example_inputs)):
+            raise ConfigError("a measured rank runs the batch: give real tensors (a batch of "
+                              "shapes only is for predict=True)")
+        tgt = tgt if predict else None
+        costs, engine = for_rank(model, profiled, example_inputs, st, user_step, costs, tgt,
+                                 source)
         return Planning(model, st, example_inputs, costs,
                         solve(costs, layers=st.kind == "layers"), verify, False, user_step,
                         tgt, ranks=engine)
@@ -277,7 +284,7 @@ def prepare(
                               compile=compile, ops=ops, step=user_step)
     engine = None
     if user_step.layout is not None:
-        costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None)
+        costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)
     solution = solve(costs, layers=st.kind == "layers")
     return Planning(model, st, batch, costs, solution, verify, compile, user_step,
                     ranks=engine)

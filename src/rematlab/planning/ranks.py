@@ -6,6 +6,7 @@ job's process group when measured, on a fake group of N ranks when predicted."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch.distributed as dist
 from torch import nn
@@ -15,6 +16,7 @@ from rematlab.distributed.engine import RankEngine
 from rematlab.distributed.group import world_size
 from rematlab.distributed.pricing import per_rank
 from rematlab.distributed.shard import DTYPES, unit_names, unit_params
+from rematlab.distributed.unshard import unsharded
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession
@@ -22,18 +24,26 @@ from rematlab.preflight.targets import Target
 from rematlab.remat.structure import Structure
 
 
-def refuse_sharded(model: nn.Module) -> None:
-    """A model already under `fully_shard` or DDP cannot be copied unsharded: say how to
-    plan it instead."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
+def adopt_sharded(model: nn.Module, step: Step) -> tuple[nn.Module, Step, nn.Module | None]:
+    """A model the user sharded already (`fully_shard` or DDP) as what is planned: its
+    unsharded twin on the meta device, the step with the layout it was sharded with, and the
+    sharded model, whose shards the rank runs copy (`distributed.unshard`). A plain model
+    comes back as it is, with no source."""
+    found = unsharded(model)
+    if found is None:
+        return model, step, None
+    twin, layout = found
+    given = step.layout
+    if given is not None and (given.kind != layout.kind or given.world_size not in (
+            None, layout.world_size)):
+        raise ConfigError(f"the model is sharded as {layout.describe()}, but the step says "
+                          f"{given.describe()}")
+    return twin, replace(step, layout=layout), model
 
-    if isinstance(model, DistributedDataParallel) or any(
-            isinstance(m, FSDPModule) for m in model.modules()):
-        raise ConfigError("the model is already sharded (fully_shard or DDP): plan the "
-                          "unsharded model with step=Step(layout=FSDP(...) or DDP(...)); "
-                          "rematlab shards its own copies, and the plan is applied before "
-                          "sharding")
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model's weights were never allocated (built on the meta device)."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def profiled_model(model: nn.Module, step: Step) -> nn.Module:
@@ -48,10 +58,12 @@ def profiled_model(model: nn.Module, step: Step) -> nn.Module:
 
 
 def for_rank(model: nn.Module, profiled: nn.Module, batch: object, st: Structure, step: Step,
-             costs: ChainCosts, target: Target | None) -> tuple[ChainCosts, RankEngine]:
+             costs: ChainCosts, target: Target | None, source: nn.Module | None = None
+             ) -> tuple[ChainCosts, RankEngine]:
     """The rank's costs and the engine that verifies plans for it (module docstring), from
     the costs of `profiled` (`profiled_model`) and structure `st` found on it; `target` is
-    set when predicting."""
+    set when predicting; `source` holds the values a measured run copies (`adopt_sharded`;
+    None: the model's own)."""
     layout = step.layout
     assert layout is not None
     predict = target is not None
@@ -80,5 +92,5 @@ def for_rank(model: nn.Module, profiled: nn.Module, batch: object, st: Structure
     engine = RankEngine(model, batch, step, layout, world, units, layers,
                         session=FakeSession(cuda=cuda) if predict else None,
                         unit=target.unit if predict else 1,
-                        extra=target.workspace if cuda else 0)
+                        extra=target.workspace if cuda else 0, source=source)
     return costs, engine

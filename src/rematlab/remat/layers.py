@@ -277,6 +277,13 @@ def _install(layer: nn.Module) -> None:
         object.__setattr__(layer, "forward", _LayerForward(layer))
 
 
+def rebound(value: Any, old: nn.Module, new: nn.Module) -> Any:
+    """An attribute of `old` given to `new`, a copy of it made without `deepcopy`: the
+    planned `forward` a layer got from rematlab is bound to `new` (the rest as it is)."""
+    return _LayerForward(new) if isinstance(value, _LayerForward) and value.layer is old \
+        else value
+
+
 def signed(wrapper: Any, original: Callable) -> Any:
     """`wrapper` given `original`'s name, docs and signature (`inspect.signature` reads
     `__signature__`): libraries read a model's `forward` to decide what to pass it (HF
