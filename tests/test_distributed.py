@@ -104,3 +104,22 @@ def test_a_sharded_or_meta_built_model_plans_like_the_unsharded_one(tmp_path):
         assert result["layout"] == ["fsdp", 2, [f"transformer.h.{i}" for i in range(4)]]
         assert result["measured"] <= result["budget"]
         assert result["user"] <= result["budget"]  # FSDPMemTracker in the user's loop
+
+
+def test_max_batch_under_fsdp_is_per_rank():
+    model, batch = ranks.made("gpt2")
+    ids = batch["input_ids"][:1]
+
+    def rows(size: int) -> dict:
+        tokens = ids.expand(size, -1).contiguous()
+        return {"input_ids": tokens, "labels": tokens}
+    budget = 40 * 2 ** 20
+    found = {world: rematlab.max_batch(
+        model, rows, budget, predict=True, target="cpu", start=4, limit=256, repeats=0,
+        step=Step(optimizer=torch.optim.AdamW, layout=FSDP(world) if world else None))
+        for world in (None, 4)}
+    for case in ("none", "optimal"):
+        alone, sharded = found[None].fit(case), found[4].fit(case)
+        assert sharded.peak <= budget < sharded.over  # the largest batch, one rank's peak
+        assert sharded.batch >= alone.batch  # shards leave room for more samples
+    assert found[4].fit("none").batch > found[None].fit("none").batch
