@@ -181,3 +181,25 @@ def sharded_worker(rank: int, world: int) -> dict:
             "layout": [layout.kind, layout.world_size, list(layout.units)],
             "budget": budget, "measured": chosen.measured_peak,
             "user": user_fsdp_peak(model, "gpt2", chosen, batch)}
+
+
+def auto_worker(rank: int, world: int, budget: int) -> dict:
+    """`rematlab.auto` inside the user's FSDP2 job: the wrapper sharded as the root, the
+    layers as units, each rank padding its batches to its own lengths."""
+    torch.manual_seed(0)
+    model, _ = gpt2(batch=4, seq=64, layers=4, width=128)
+    wrapped = rematlab.auto(model, budget, step=Step(optimizer=torch.optim.AdamW))
+    for layer in layers_of(model, "gpt2"):
+        fully_shard(layer)
+    fully_shard(wrapped)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    losses = []
+    for length in (20 + 3 * rank, 28 - 3 * rank, 50 + 5 * rank, 60 - 5 * rank):
+        ids = torch.randint(0, 97, (4, length), generator=torch.Generator().manual_seed(length))
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"events": [[e.plan, list(map(list, e.profiled)), e.peak, e.budget]
+                       for e in wrapped.events], "losses": losses}

@@ -123,3 +123,16 @@ def test_max_batch_under_fsdp_is_per_rank():
         assert sharded.peak <= budget < sharded.over  # the largest batch, one rank's peak
         assert sharded.batch >= alone.batch  # shards leave room for more samples
     assert found[4].fit("none").batch > found[None].fit("none").batch
+
+
+def test_auto_plans_every_rank_alike_inside_an_fsdp_job(tmp_path):
+    budget = 20 * 2 ** 20
+    results = ranks.spawn(ranks.auto_worker, 2, tmp_path, budget)
+    events = results[0]["events"]
+    # the first batch at its shapes (no dimension seen to change yet), then the buckets of
+    # lengths up to 32 and 64 tokens, each at the largest length over the ranks
+    for result in results:
+        assert result["events"] == events  # the same plans, at the same shapes, on each rank
+        assert all(peak <= budget for _, _, peak, _ in result["events"])
+        assert all(loss == loss and loss < 10 for loss in result["losses"])  # finite: trained
+    assert [shapes[0][1] for _, shapes, _, _ in events] == [23, 32, 64]

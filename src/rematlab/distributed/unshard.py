@@ -36,17 +36,19 @@ def unsharded(model: nn.Module) -> tuple[nn.Module, FSDP | DDP] | None:
     units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not units:
         return None
-    if units[0] != "":
+    if units[0] != "" and not getattr(model, "_is_fsdp_managed_module", False):
         raise ConfigError("only some of the model's modules are under fully_shard: shard the "
                           "root too (fully_shard(model)), or plan the unsharded model with "
                           "step=Step(layout=FSDP(...))")
-    groups = [g for n in units
+    # a model inside another's fully_shard (auto()'s wrapper) has its root there: managed
+    units = [n for n in units if n]
+    groups = [g for n in units or [""]
               if (g := model.get_submodule(n)._get_fsdp_state()._fsdp_param_group) is not None]
     if not groups:
         raise ConfigError("the sharded model has no parameters")
-    unit = next((g for g, n in zip(groups, units, strict=False) if n), groups[0])
+    unit = groups[0]
     policy = unit.mp_policy
-    layout = FSDP(unit.mesh_info.mesh.size(), units=tuple(units[1:]),
+    layout = FSDP(unit.mesh_info.mesh.size(), units=tuple(units),
                   reshard_after_forward=unit.post_forward_mesh_info is not None,
                   param_dtype=_dtype_name(policy.param_dtype),
                   reduce_dtype=_dtype_name(policy.reduce_dtype))

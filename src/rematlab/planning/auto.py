@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rematlab.core.batch import call, detached, tensors
@@ -92,23 +93,48 @@ class AutoRemat(nn.Module):
                                               else args)
         if args and kwargs:
             raise ConfigError("auto() takes positional or keyword inputs, not both")
-        key, planned = self._bucket(batch)
+        shapes = self._shapes(batch)
+        key, planned = self._bucket(batch, shapes)
         if not planned:
-            self._plan(key, batch, "new input shapes")
-        elif is_auto(self.budget) and time.monotonic() - self._checked >= self.recheck_s:
-            self._recheck(key, batch)
+            self._plan(key, batch, shapes, "new input shapes")
+        elif is_auto(self.budget) and not self._ranked() \
+                and time.monotonic() - self._checked >= self.recheck_s:
+            self._recheck(key, batch, shapes)
         self._stepped = True
         return call(self.plans[key], batch)
 
-    def _bucket(self, batch: Any) -> tuple[tuple, bool]:
-        """The key of `batch`'s plan — its tensors' dtypes and devices, and its bucket's
-        largest shapes (its own shapes without buckets) — and whether a plan covering the
-        batch is there. A bucket with none yet takes that of an earlier bucket made at
+    def _ranked(self) -> bool:
+        """Whether this is one rank of a sharded job (a layout, or a model already under
+        `fully_shard`/DDP, in an initialised process group): planning then runs collectives,
+        so every rank must plan the same shapes at the same calls. A derived budget is then
+        not re-derived on a timer either, which would fire at different calls per rank."""
+        from torch.distributed.tensor import DTensor
+
+        return dist.is_available() and dist.is_initialized() and (
+            self.step.layout is not None
+            or any(isinstance(p, DTensor) for p in self.model.parameters()))
+
+    def _shapes(self, batch: Any) -> Shapes:
+        """The batch's shapes; on the ranks of a sharded job (`_ranked`), each dimension's
+        largest on any rank, so that all of them plan one bucket at one call (a rank's own
+        batch is tiled up to it)."""
+        shapes = shapes_of(batch)
+        if not self._ranked():
+            return shapes
+        sizes = torch.tensor([d for s in shapes for d in s], dtype=torch.int64,
+                             device=next(tensors(batch)).device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        flat = iter(sizes.tolist())
+        return tuple(tuple(next(flat) for _ in s) for s in shapes)
+
+    def _bucket(self, batch: Any, shapes: Shapes) -> tuple[tuple, bool]:
+        """The key of `batch`'s plan — its tensors' dtypes and devices, and the bucket's
+        largest of `shapes` (`_shapes`; themselves without buckets) — and whether a plan
+        covering the batch is there. A bucket with none yet takes that of an earlier bucket made at
         shapes covering the batch, if any (the first batch's, made before any dimension was
         seen to change); until a plan is made at the bucket's largest shapes, a larger batch
         in it is planned again."""
         kinds = tuple((t.dtype, t.device) for t in tensors(batch))
-        shapes = shapes_of(batch)
         if not self.shape_buckets:
             return (kinds, shapes), (kinds, shapes) in self.plans
         self._buckets.observe(shapes)
@@ -124,7 +150,7 @@ class AutoRemat(nn.Module):
             table[key] = table[earlier]
         return key, True
 
-    def _recheck(self, key: tuple, batch: Any) -> None:
+    def _recheck(self, key: tuple, batch: Any, shapes: Shapes) -> None:
         """Derive the budget again; re-plan when the cached plan no longer fits it, or when
         it checkpoints and the budget has grown."""
         self._checked = time.monotonic()
@@ -132,26 +158,27 @@ class AutoRemat(nn.Module):
         now = derive(self.budget, self.model, batch, self._state[key]).nbytes
         peak = chosen.measured_peak or chosen.predicted_peak or 0
         if peak > now:
-            self._plan(key, batch, f"budget fell to {format_bytes(now)}, below the plan's "
+            self._plan(key, batch, shapes, f"budget fell to {format_bytes(now)}, below the plan's "
                                    f"peak {format_bytes(peak)}")
         elif chosen.segments and now > self.REGROW * (chosen.budget or now):
-            self._plan(key, batch, f"budget grew to {format_bytes(now)} from "
+            self._plan(key, batch, shapes, f"budget grew to {format_bytes(now)} from "
                                    f"{format_bytes(chosen.budget or 0)}")
 
-    def _plan(self, key: tuple, batch: Any, reason: str) -> None:
+    def _plan(self, key: tuple, batch: Any, shapes: Shapes, reason: str) -> None:
         """Plan at the bucket's largest shapes (the batch tiled up to them); at the batch's
-        own where the model cannot take those (a sequence past its position table), from
-        then on for that bucket."""
-        example = detached(batch) if key in self._untiled else tiled(detached(batch), key[1])
+        `shapes` (its own, or the largest over the ranks) where the model cannot take those
+        (a sequence past its position table), from then on for that bucket."""
+        own = tiled(detached(batch), shapes)
+        example = own if key in self._untiled else tiled(detached(batch), key[1])
         try:
             planning = self._prepare(example)
         except ConfigError as exc:
-            if shapes_of(example) == shapes_of(batch):
+            if shapes_of(example) == shapes:
                 raise
             _log.info("rematlab.auto: planning at the batch's own shapes: the bucket's "
                       "largest (%s) failed: %s", key[1], exc)
             self._untiled.add(key)
-            example = detached(batch)
+            example = own
             planning = self._prepare(example)
         # after a training call the user's optimizer holds its state: resident, as the
         # parameters are (CPU; on CUDA the process's held memory already counts it)

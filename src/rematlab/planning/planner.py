@@ -209,8 +209,10 @@ def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
 
 def resident(model: nn.Module, batch: object = ()) -> int:
     """Bytes of the step's tensors that exist before it runs: `model`'s parameters and
-    buffers, and `batch`'s tensors."""
-    return sum(t.untyped_storage().nbytes()
+    buffers (a sharded parameter's local shard), and `batch`'s tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes()
                for t in [*model.parameters(), *model.buffers(), *tensors(batch)])
 
 
