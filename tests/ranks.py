@@ -40,12 +40,16 @@ def layers_of(model, name: str) -> list:
     return list(model.get_submodule(MODELS[name][1]))
 
 
+def free_port() -> int:
+    """A free loopback port for a job's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn(worker, world: int, out: Path, *args) -> list[dict]:
     """Run `worker(rank, world, out, *args)` on `world` gloo ranks; their JSON results."""
-    with socket.socket() as s:  # a free loopback port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_entry, args=(world, port, worker, out, args), nprocs=world)
+    mp.spawn(_entry, args=(world, free_port(), worker, out, args), nprocs=world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -3,6 +3,10 @@ CPU (2 ranks; 4 in the slow tests), checked against torch's own meters in the us
 (`tests/ranks.py`), and predicted for the same world size on a fake process group in this
 process."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -97,6 +101,7 @@ def test_cli_layout_errors(args, message):
         proc.stderr
 
 
+@pytest.mark.slow
 def test_a_sharded_or_meta_built_model_plans_like_the_unsharded_one(tmp_path):
     for result in ranks.spawn(ranks.sharded_worker, 2, tmp_path):
         plain, read_back, built = result["peaks"]
@@ -136,3 +141,19 @@ def test_auto_plans_every_rank_alike_inside_an_fsdp_job(tmp_path):
         assert all(peak <= budget for _, _, peak, _ in result["events"])
         assert all(loss == loss and loss < 10 for loss in result["losses"])  # finite: trained
     assert [shapes[0][1] for _, shapes, _, _ in events] == [23, 32, 64]
+
+
+@pytest.mark.slow
+def test_torchrun_plans_one_rank_of_the_job(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(ranks.free_port()), "-m", "rematlab", "plan", "--model", "mlp3",
+         "--batch", "64", "--budget", "30MiB", "--fsdp", "--json", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout[proc.stdout.index("{"):])  # rank 0 reports, once
+    assert found["measured_peak"] <= found["budget"] == 30 * 2 ** 20
+    assert found["per_rank"]["world_size"] == 2
+    assert found["step"].endswith("FSDP2 over the job's ranks")
+    assert json.loads(out.read_text())["step"]["layout"]["kind"] == "fsdp"

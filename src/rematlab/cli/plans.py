@@ -148,6 +148,7 @@ def plan_cmd(
 
     import torch.distributed as dist
 
+    from rematlab.distributed.group import leave_job
     from rematlab.planning.planner import prepare
 
     if compile and predict:
@@ -167,8 +168,11 @@ def plan_cmd(
     planning = prepare(net, batches(batch), step=step, blocks=blocks or None, predict=predict,
                        target=target, compile=compile, ops=ops)
     summaries = [_plan_summary(planning, b) for b in wanted]
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return  # every rank planned alike: rank 0 reports
+    if layout is not None and not predict:
+        rank = dist.get_rank()
+        leave_job()
+        if rank != 0:
+            return  # every rank planned alike: rank 0 reports
     if out is not None:
         write_text(out, json.dumps(summaries[0]["plan_json"]))
     if as_json:

@@ -68,4 +68,17 @@ def join_job(device: str) -> None:
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
-    atexit.register(dist.destroy_process_group)  # a rank that leaves first must not abort
+    atexit.register(_leave)  # after an error too: a rank that leaves first must not abort
+
+
+def leave_job() -> None:
+    """Leave the group `join_job` joined, every rank together (a barrier, then the group
+    destroyed): a rank that exits while another still talks to it aborts in gloo's C++."""
+    if dist.is_initialized():
+        dist.barrier()
+    _leave()
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
