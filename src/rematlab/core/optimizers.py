@@ -21,19 +21,21 @@ from rematlab.exceptions import ConfigError
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "mixed-adamw")
 
 
-def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float = 0.01
-                   ) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float = 0.01,
+                   foreach: bool | None = None) -> torch.optim.Optimizer:
     """`sgd` (plain), `momentum` (SGD, momentum 0.9: the default), `adam`, `adamw` (torch's:
-    state in the weights' dtype) or `mixed-adamw` (state in fp32, `MixedAdamW`)."""
+    state in the weights' dtype) or `mixed-adamw` (state in fp32, `MixedAdamW`, one
+    parameter at a time); `foreach` as torch's optimizers take it (None: torch's default for
+    the parameters' device)."""
     params = list(params)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr * 0.1)
+        return torch.optim.Adam(params, lr=lr * 0.1, foreach=foreach)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr * 0.1)
+        return torch.optim.AdamW(params, lr=lr * 0.1, foreach=foreach)
     if name == "mixed-adamw":
         return MixedAdamW(params, lr=lr * 0.1)
     raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

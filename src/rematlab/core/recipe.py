@@ -274,14 +274,23 @@ class Step:
         if scaler is not None:
             scaler.update()
 
-    def make_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer | None:
-        """The step's optimizer over `params` (None without one)."""
+    def make_optimizer(self, params: Iterable[torch.Tensor], cuda: bool = False
+                       ) -> torch.optim.Optimizer | None:
+        """The step's optimizer over `params` (None without one). `cuda`: as torch makes it
+        for CUDA parameters, where `foreach=None` means the multi-tensor implementation
+        (`torch/optim/optimizer.py`, `_default_to_fused_or_foreach`), whose temporaries are
+        the update's peak; pre-flight's fake parameters are CPU tensors, on which torch
+        would pick the single-tensor loop."""
         if self.optimizer is None:
             return None
         if isinstance(self.optimizer, str):
-            return make_optimizer(self.optimizer, params)
+            return make_optimizer(self.optimizer, params, foreach=True if cuda else None)
+        kwargs = dict(self.optimizer_kwargs)
+        if cuda and not {"foreach", "fused"} & set(kwargs) and "foreach" in \
+                inspect.signature(self.optimizer.__init__).parameters:
+            kwargs["foreach"] = True
         try:
-            return self.optimizer(list(params), **dict(self.optimizer_kwargs))
+            return self.optimizer(list(params), **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"{self.optimizer.__name__}(**{dict(self.optimizer_kwargs)}) "
                               f"fails: {exc}"[:300]) from exc

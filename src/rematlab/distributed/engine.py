@@ -104,7 +104,8 @@ class RankEngine:
             return self._metered(planned, self.batch, readable=True)
 
     def _metered(self, model: nn.Module, batch: Batch, readable: bool) -> RankPeak:
-        optimizer = self.step.make_optimizer(model.parameters())
+        optimizer = self.step.make_optimizer(
+            model.parameters(), cuda=self.session is not None and self.session.cuda)
         self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
         cuda = self.device_type == "cuda"
         if cuda:

@@ -11,10 +11,9 @@ modes see fake tensors as real ones, so the profilers that measure a block
 allocated — into a fake twin sharing no storage with it. A batch may be real tensors or meta
 tensors (shapes only); it becomes fake likewise.
 
-CUDA cannot be faked on a build without CUDA. A CUDA target is profiled as CPU fake tensors,
-with attention routed to the kernels CUDA picks (`cuda_attention`): flash attention for
-half-precision inputs without a mask, memory-efficient attention otherwise; they save the
-inputs, the output and a log-sum-exp, not the probabilities.
+CUDA cannot be faked through autograd on a build without CUDA (the process aborts in C++). A
+CUDA target is profiled as CPU fake tensors running the ops CUDA's dispatch would choose
+(`rematlab.preflight.cuda_ops.CudaDispatch`): `native_dropout`, the fused attention kernels.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from rematlab.core.batch import Batch, map_tensors
+from rematlab.preflight.cuda_ops import CudaDispatch
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -39,7 +38,8 @@ def is_fake(t: torch.Tensor) -> bool:
 
 class FakeSession:
     """A fake-tensor mode and what was made fake in it (see module docstring). Enter it
-    around everything that runs the fake twins; `cuda` routes attention as CUDA would."""
+    around everything that runs the fake twins; `cuda` runs the ops CUDA would
+    (`rematlab.preflight.cuda_ops`)."""
 
     def __init__(self, cuda: bool = False) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -54,7 +54,7 @@ class FakeSession:
         level = noisy.level
         noisy.setLevel(logging.CRITICAL)
         try:
-            with self.mode, (cuda_attention() if self.cuda else contextlib.nullcontext()):
+            with self.mode, (CudaDispatch() if self.cuda else contextlib.nullcontext()):
                 yield
         finally:
             noisy.setLevel(level)
@@ -99,39 +99,3 @@ def _tensor_attributes(module: nn.Module) -> Iterator[torch.Tensor]:
         for value in vars(m).values():
             if isinstance(value, torch.Tensor):
                 yield value
-
-
-@contextlib.contextmanager
-def cuda_attention() -> Iterator[None]:
-    """`torch.nn.functional.scaled_dot_product_attention` as CUDA runs it (see module
-    docstring): its fused kernels' aten ops, which have fake implementations and autograd
-    formulas, in place of the CPU's choice. A patch of the function rather than a
-    `TorchFunctionMode`: a mode is off while its own handler runs, and `backward()` passes
-    through it, so a recomputation inside backward would not see the mode."""
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _cuda_sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
-def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor:
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        groups = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(groups, dim=-3)
-        value = value.repeat_interleave(groups, dim=-3)
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    if attn_mask is None and half and query.shape[-1] <= 256:
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout_p, is_causal, scale=scale)[0]
-    bias = attn_mask
-    if bias is not None and bias.dtype == torch.bool:
-        bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
-    if bias is not None:
-        bias = bias.expand(*query.shape[:-1], key.shape[-2])
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]

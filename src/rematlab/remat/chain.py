@@ -104,7 +104,7 @@ def profile_chain(
             fields["fwd_time"] = list(fields["fwd_flops"])
             fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
         state, transient = optimizer_memory([p for b in run for p in b.parameters()],
-                                            step, unit)
+                                            step, unit, cuda_target(target))
         peak, loss_bytes = loss_peak(x, batch, step, unit)
     out_bytes = fields["x"][-1]
     fields["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
@@ -231,17 +231,22 @@ COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "
                  "fwd_time", "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
 
 
-def optimizer_memory(params: list[torch.Tensor], step: Step, unit: int = 1
-                     ) -> tuple[int, int]:
+def cuda_target(target: Target | None) -> bool:
+    return target is not None and target.kind == "cuda"
+
+
+def optimizer_memory(params: list[torch.Tensor], step: Step, unit: int = 1,
+                     cuda: bool = False) -> tuple[int, int]:
     """Bytes of the step's optimizer state (and a GradScaler's) and the transient peak of its
     optimizer phase — unscaling, clipping and the update, as the user's step runs them —
-    measured on tensors shaped like `params` on their device (meta costs nothing); (0, 0)
-    without an optimizer."""
+    measured on tensors shaped like `params` on their device (meta costs nothing), with the
+    optimizer made as for CUDA parameters when `cuda` (a CUDA target: `Step.make_optimizer`);
+    (0, 0) without an optimizer."""
     trainable = [p for p in params if p.requires_grad]
     clones = [nn.Parameter(torch.zeros_like(p)) for p in trainable]
     for c in clones:
         c.grad = torch.zeros_like(c)
-    opt = step.make_optimizer(clones)
+    opt = step.make_optimizer(clones, cuda=cuda)
     if opt is None:
         return 0, 0
     device = clones[0].device if clones else torch.device("cpu")

@@ -24,7 +24,7 @@ from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import profile_block
-from rematlab.remat.chain import Repeats, block_input, optimizer_memory
+from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import OPTION_REPEATS, block_options
 from rematlab.remat.outer import one_pass, outer_costs, output_tensor, step_time
@@ -89,7 +89,8 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
     live = outer["layer_live"]
     x = [0, *(r["x"] for r in rows), rounded(rows[-1]["out"].untyped_storage().nbytes(), unit),
          0]
-    state, transient = optimizer_memory(list(model.parameters()), step, unit)
+    state, transient = optimizer_memory(list(model.parameters()), step, unit,
+                                        cuda_target(target))
     params = sum(rounded(t.numel() * t.element_size(), unit)
                  for t in [*model.parameters(), *model.buffers()])
     grads = sum(rounded(p.numel() * p.element_size(), unit)

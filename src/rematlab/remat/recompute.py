@@ -16,6 +16,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.probes import Clock, WallClock
+from rematlab.preflight.cuda_ops import reentered
 
 
 class RecomputeStats:
@@ -73,14 +74,16 @@ def frozen_batchnorm(modules: list[nn.modules.batchnorm._BatchNorm]) -> Iterator
 def recompute_contexts(stats: RecomputeStats, modules: list[nn.Module]
                        ) -> Callable[[], tuple]:
     """The `context_fn` of a checkpointed region over `modules`: nothing around the first
-    forward; around its recomputation, the stats' region and frozen BatchNorm statistics."""
+    forward; around its recomputation, the stats' region, frozen BatchNorm statistics and a
+    pre-flight's CUDA dispatch (`rematlab.preflight.cuda_ops.reentered`)."""
     bns = [m for b in modules for m in b.modules()
            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
 
     @contextlib.contextmanager
     def recompute_context() -> Iterator[None]:
-        # entered only when backward recomputes the region, not when it is created
-        with stats.region(), frozen_batchnorm(bns):
+        # entered only when backward recomputes the region, not when it is created; a CUDA
+        # target's dispatch is re-entered there, as backward runs without it
+        with stats.region(), frozen_batchnorm(bns), reentered():
             yield
 
     return lambda: (contextlib.nullcontext(), recompute_context())

@@ -1,0 +1,79 @@
+"""Pre-flight for a CUDA target runs the ops a CUDA step dispatches (issue 40): the fused
+dropout with its bool mask, flash attention forward and backward, the optimizer's multi-tensor
+update, on CPU fake tensors (no fake CUDA tensor, which aborts the process under autograd),
+through the forward, backward and the recomputation of checkpointed layers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.profiler import ProfilerActivity, profile
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import rematlab
+from rematlab.preflight.cuda_ops import CudaDispatch
+
+
+def _gpt2() -> torch.nn.Module:  # dropout 0.1 on residuals, embeddings and attention
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=97,
+                                      n_positions=64, attn_implementation="sdpa"))
+
+
+def _llama() -> torch.nn.Module:  # grouped-query heads, attention dropout inside SDPA
+    return LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+        attention_dropout=0.1, attn_implementation="sdpa"))
+
+
+def _ops(factory, target: str) -> set[str]:
+    """The aten ops a pre-flight plan for `target` ran, floor plan included (its layers'
+    recomputation in backward)."""
+    torch.manual_seed(0)
+    model = factory().to(torch.bfloat16).train()
+    ids = torch.randint(0, 97, (2, 64))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        planning = rematlab.prepare(model, {"input_ids": ids, "labels": ids}, predict=True,
+                                    target=target,
+                                    step=rematlab.Step(optimizer=torch.optim.AdamW))
+        floor = planning.choose(planning.floor_budget())
+    assert floor.segments  # a layer was checkpointed, so recomputed in backward
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_a_cuda_target_runs_the_ops_cuda_dispatches(factory):
+    ops = _ops(factory, "h100-80gb")
+    assert {"aten::_scaled_dot_product_flash_attention",
+            "aten::_scaled_dot_product_flash_attention_backward",
+            "aten::_foreach_addcmul_", "aten::_foreach_lerp_"} <= ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
+    if factory is _gpt2:
+        assert {"aten::native_dropout", "aten::native_dropout_backward"} <= ops
+        assert "aten::bernoulli_" not in ops  # CPU's dropout: a mask in the input's dtype
+
+
+def test_a_cpu_target_keeps_the_cpu_ops():
+    ops = _ops(_gpt2, "cpu")
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::native_dropout" not in ops
+    assert not any(op.startswith("aten::_foreach_") for op in ops)
+
+
+def test_the_dispatch_is_scoped_and_patches_nothing():
+    sdpa = F.scaled_dot_product_attention
+    x = torch.randn(4, 8)
+    # CUDA's kernels have fake implementations on the CPU, not real ones
+    with FakeTensorMode(allow_non_fake_inputs=True), CudaDispatch():
+        from torch.nn.functional import scaled_dot_product_attention  # a direct import too
+
+        q = torch.empty(1, 2, 4, 8, dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            scaled_dot_product_attention(q, q, q)
+            F.dropout(x, 0.5)
+        names = {e.name for e in prof.events()}
+    assert {"aten::_scaled_dot_product_flash_attention", "aten::native_dropout"} <= names
+    assert F.scaled_dot_product_attention is sdpa  # nothing patched, nothing left behind
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        F.dropout(x, 0.5)
+    assert "aten::native_dropout" not in {e.name for e in prof.events()}
