@@ -1,6 +1,8 @@
-"""The roofline's rates measured on a device that is present (this CPU, or a GPU here).
+"""The roofline's rates measured on a device that is present: this CPU here, a GPU by
+`gpu_calibrate` (CUDA events, real layers' GEMMs: host-timed small ops would measure a GPU's
+launch latency).
 
-A suite of small training steps — the pieces models are made of: linear layers with GELU and
+On the CPU, a suite of small training steps — the pieces models are made of: linear layers with GELU and
 dropout, layer norm and softmax, attention, convolutions with batch norm, ReLU and pooling,
 embeddings and cross-entropy — runs forward and backward under a dispatch mode that times
 every aten op. Each op's rate is what it reached: FLOP/s for matmuls, convolutions and
@@ -28,9 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from rematlab.core.timer import watched
+from rematlab.preflight.gpu_calibrate import EventTiming, measure_gpu
 from rematlab.preflight.roofline import LoggedOp, logged
 
-VERSION = 2  # of what `measure` reports: a cached calibration of another version is redone
+VERSION = 3  # of what `measure` reports: a cached calibration of another version is redone
 ROUNDS = 5  # the suite runs this many times after a warm-up; each op's median is kept
 SCALES = (1, 4)  # batch multipliers: small and larger kernels
 MIN_BYTES = 1 << 16  # an op moving less has no rate to speak of: its time is overhead
@@ -50,7 +53,7 @@ class _Attention(nn.Module):
             .reshape(b, s, w)
 
 
-def _suite(scale: int, device: torch.device) -> list[tuple[nn.Module, torch.Tensor]]:
+def _suite(scale: int) -> list[tuple[nn.Module, torch.Tensor]]:
     """(module, input) pairs whose forward and backward exercise the common aten ops."""
     width = 256
     tokens = torch.randn(8 * scale, 64, width)
@@ -65,23 +68,20 @@ def _suite(scale: int, device: torch.device) -> list[tuple[nn.Module, torch.Tens
         (nn.Sequential(nn.Embedding(4096, width), nn.SiLU(), nn.Linear(width, 4096),
                        nn.LogSoftmax(-1)), torch.randint(0, 4096, (4 * scale, 64))),
     ]
-    return [(m.to(device), x.to(device)) for m, x in pieces]
+    return pieces
 
 
 class _OpTimer(TorchDispatchMode):
-    """Seconds inside every op (the device synchronised around it), beside the op's log."""
+    """Seconds inside every op, beside the op's log (the CPU runs an op as it is called)."""
 
-    def __init__(self, sync: Callable[[], None]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.sync = sync
         self.ops: list[LoggedOp] = []
         self.seconds: list[float] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.sync()
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        self.sync()
         took = time.perf_counter() - t0
         op = logged(func, args, kwargs or {}, out)
         if op is not None:
@@ -97,41 +97,39 @@ def _step(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
 
 
 def measure(kind: str = "cpu") -> dict:
-    """The fields of a `rematlab.preflight.targets.Target` for this machine's CPU, or the GPU
-    here (see module docstring)."""
-    device = torch.device("cuda" if kind == "cuda" else "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    """The fields of a `rematlab.preflight.targets.Target` for this machine's CPU (see module
+    docstring), or the GPU here (`gpu_calibrate`: events, real layers' GEMMs)."""
+    if kind == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        return measure_gpu(device, EventTiming(), torch.cuda.mem_get_info(device)[1])
     samples: dict[str, list[tuple[str, float]]] = defaultdict(list)
     walls, kernels, counts = [], [], []
     with watched("the roofline's calibration kernels"):
         for scale in SCALES:
-            for module, x in _suite(scale, device):
+            for module, x in _suite(scale):
                 _step(module, x)  # warm-up
                 for _ in range(ROUNDS):
-                    timer = _OpTimer(sync)
+                    timer = _OpTimer()
                     with timer:
                         _step(module, x)
-                    sync()
                     t0 = time.perf_counter()
                     _step(module, x)
-                    sync()
                     walls.append(time.perf_counter() - t0)
                     kernels.append(sum(timer.seconds))
                     counts.append(len(timer.seconds))
                     for op, took in zip(timer.ops, timer.seconds, strict=True):
                         if op.nbytes >= MIN_BYTES:  # a tiny op's time is all fixed cost
                             samples[op.name].append((op.kind, (op.flops or op.nbytes) / took))
-        low = _matmul_rate(device, torch.bfloat16, sync)
-        per_checkpoint = _checkpoint_seconds(_suite(1, device), sync)
+        low = _matmul_rate(torch.bfloat16)
+        per_checkpoint = _checkpoint_seconds(_suite(1))
     overhead = max(0.0, statistics.median((w - k) / n for w, k, n in
                                           zip(walls, kernels, counts, strict=True)))
     rates = {name: statistics.median(r for _, r in rows) for name, rows in samples.items()}
     mm32 = [rates[n] for n, rows in samples.items() if rows[0][0] == "matmul"]
     moves = [rates[n] for n, rows in samples.items() if rows[0][0] == "vector"]
-    memory = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
-              else _host_memory())
+    memory = _host_memory()
     return dict(
-        name=kind, kind=device.type, memory=memory,
+        name=kind, kind="cpu", memory=memory,
         flops={"float32": statistics.median(mm32), "bfloat16": low, "float16": low},
         bandwidth=statistics.median(moves),
         overhead=(overhead / 2, overhead, 2 * overhead),
@@ -141,38 +139,34 @@ def measure(kind: str = "cpu") -> dict:
         calibrated=True, extra={"rates": rates, "checkpoint": per_checkpoint})
 
 
-def _checkpoint_seconds(pieces: list[tuple[nn.Module, torch.Tensor]],
-                        sync: Callable[[], None]) -> float:
+def _checkpoint_seconds(pieces: list[tuple[nn.Module, torch.Tensor]]) -> float:
     """Seconds that checkpointing a piece adds to its step beyond running its forward again:
     checkpointing's own work (saved-tensor hooks, the RNG state, the recomputation on a cold
     cache). The median over the suite's pieces, never below 0."""
     extra = []
     for module, x in pieces:
-        plain = _median_seconds(lambda m=module, x=x: _step(m, x), sync)
+        plain = _median_seconds(lambda m=module, x=x: _step(m, x))
         ckpt = _median_seconds(lambda m=module, x=x: _step(
-            lambda v: checkpoint(m, v, use_reentrant=False), x), sync)
-        extra.append(ckpt - plain - _median_seconds(lambda m=module, x=x: m(x), sync))
+            lambda v: checkpoint(m, v, use_reentrant=False), x))
+        extra.append(ckpt - plain - _median_seconds(lambda m=module, x=x: m(x)))
     return max(0.0, statistics.median(extra))
 
 
-def _median_seconds(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+def _median_seconds(fn: Callable[[], object]) -> float:
     fn()
     times = []
     for _ in range(2 * ROUNDS + 1):
-        sync()
         t0 = time.perf_counter()
         fn()
-        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]
-                 ) -> float:
+def _matmul_rate(dtype: torch.dtype) -> float:
     """FLOP/s of a 256-square matmul in `dtype` (the suite runs fp32; a CPU without native
     bf16 runs bf16 matmuls far slower, which a plan in bf16 must know)."""
-    a = torch.randn(256, 256, device=device).to(dtype)
-    return 2 * 256 ** 3 / _median_seconds(lambda: a @ a, sync)
+    a = torch.randn(256, 256).to(dtype)
+    return 2 * 256 ** 3 / _median_seconds(lambda: a @ a)
 
 
 def _spread(rates: list[float]) -> tuple[float, float, float]:
