@@ -95,6 +95,44 @@ READING = """## Reading
   fp32 upcast and its gradient: several GiB at 4096 tokens) plus one layer's recomputation: it
   fits an 80 GB card with room for 7 sequences per step, and misses a 24 GB card's budget (the
   card less the CUDA context and a 5 % margin) by about 1 GiB.
+
+## GPU targets: what is measured and what is assumed, figure by figure
+
+No GPU has run this benchmark. For a GPU target:
+
+- **Ops and saved bytes: derived from torch's dispatch, checked against a formula.** The step
+  runs on CPU fake tensors (fake CUDA tensors abort the process under autograd on this build),
+  with the ops CUDA's dispatch picks (`rematlab/preflight/cuda_ops.py`): `native_dropout` and
+  its bool mask (`Dropout.cpp`), flash or memory-efficient attention as `select_sdp_backend`
+  tries them, the optimizer's `foreach` update (`_default_to_fused_or_foreach`). A GPT-style
+  layer's saved bytes come within 0.3 % of Korthikanti et al.'s 34·s·b·h at three widths
+  (`activation-formula.md`). Not charged: flash backward's fp32 accumulators and expanded
+  grouped-query key/value gradients, the memory-efficient kernel's workspace, cuDNN
+  convolution workspaces; the layer norms' statistics are counted in bf16 where CUDA keeps
+  them in fp32.
+- **cuBLAS workspace: cited.** 32 MiB on Hopper, about 8 MiB before, from ATen's
+  `CUBLAS_WORKSPACE_CONFIG` defaults (`CublasHandlePool.cpp`); one handle is budgeted, where
+  autograd's backward thread has its own (assumed: up to one more workspace).
+- **The caching allocator: partly modelled.** Tensors are rounded to its 512-byte blocks and
+  the weights' and gradients' segments are sized (`rematlab/preflight/allocator.py`); its
+  2 MiB small-pool and 20 MiB large segments for activations, and the reserved peak, are not:
+  the card's budget keeps a 5 % margin (at least 256 MiB) for them (assumed).
+- **Card memory: data sheet.** A data-sheet profile's memory is the card's nominal size;
+  torch reports somewhat less (an A100-80GB shows about 79.2 GiB to `mem_get_info`). A
+  calibrated `cuda` target reads `mem_get_info`.
+- **CUDA context: assumed**, 512 MiB (400-600 MiB as `nvidia-smi` shows a process that has run
+  a training step on CUDA 12 with lazy loading); `scripts/gpu_check.sh` measures it on the day
+  a GPU is available.
+- **Rates: data sheet times assumed efficiencies, or measured.** Dense peaks are cited per
+  card in `rematlab/preflight/targets.py`; a kernel reaches 35 / 60 / 80 % of the FLOP peak and
+  50 / 75 / 90 % of the bandwidth (slow / typical / fast: assumptions, the interval of every
+  predicted time). A calibrated `cuda` target replaces them with CUDA-event timings of
+  Llama-3-8B-sized GEMMs in fp32, bf16 and fp16 and of a 1 GiB copy
+  (`rematlab/preflight/gpu_calibrate.py`).
+- **Per-op overhead: assumed** 3 / 5 / 10 µs of dispatch and launch, overlapped with the
+  kernels (a step takes the longer of the two); calibrated from a chain of tiny kernels.
+- **Checkpointing's own cost: 0 on a data-sheet target** (not modelled); measured on a
+  calibrated one (an MLP block's step checkpointed, less the plain step and one forward).
 """
 
 
