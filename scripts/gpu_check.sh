@@ -7,8 +7,9 @@
 # (cuda-tests.txt), `rematlab measure` on VGG-16 for none / uniform:4 / sqrt in fp32 and under
 # bf16 autocast (the user's step, `--precision bf16`), `rematlab plan`
 # eager and under torch.compile at three budgets with measured peaks (plans.json), pre-flight
-# plans (predicted without running, for the GPU here and its data sheet) with their peaks
-# measured (preflight.json), a slice of the seed study's grid spanning every factor swept
+# plans (predicted without running, for the GPU here and its data sheet: five models, bf16
+# autocast, three budgets) with their allocated and reserved peaks measured and the CUDA
+# context (preflight.json; docs/gpu.md on a GPU, gpu.md in OUT on a dry run), a slice of the seed study's grid spanning every factor swept
 # into a database (slice.duckdb), then
 # `fit` (predictor MAPE on GPU data) and `stats`. `--dry-run` runs the same steps on the CPU
 # at the smallest sizes (what CI runs); without it the script needs a GPU and about 8 minutes.
@@ -82,10 +83,10 @@ step "plans: eager and torch.compile, three budgets each"
 step "pre-flight: plans predicted without running, their peaks measured"
 if [ "$DRY" = 1 ]; then
     "$PY" scripts/gpu_preflight.py --device cpu --small --out "$OUT/preflight.json" \
-        | tee -a "$OUT/summary.txt"
+        --doc "$OUT/gpu.md" | tee -a "$OUT/summary.txt"
 else
     "$PY" scripts/gpu_preflight.py --device cuda --profile h200 --out "$OUT/preflight.json" \
-        | tee -a "$OUT/summary.txt"
+        --doc docs/gpu.md | tee -a "$OUT/summary.txt"
 fi
 
 step "sweep a slice of the seed study"

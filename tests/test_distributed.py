@@ -130,6 +130,7 @@ def test_max_batch_under_fsdp_is_per_rank():
     assert found[4].fit("none").batch > found[None].fit("none").batch
 
 
+@pytest.mark.slow
 def test_auto_plans_every_rank_alike_inside_an_fsdp_job(tmp_path):
     budget = 20 * 2 ** 20
     results = ranks.spawn(ranks.auto_worker, 2, tmp_path, budget)
