@@ -2,14 +2,15 @@
 `gpu_calibrate` (CUDA events, real layers' GEMMs: host-timed small ops would measure a GPU's
 launch latency).
 
-On the CPU, a suite of small training steps — the pieces models are made of: linear layers with GELU and
-dropout, layer norm and softmax, attention, convolutions with batch norm, ReLU and pooling,
-embeddings and cross-entropy — runs forward and backward under a dispatch mode that times
-every aten op. Each op's rate is what it reached: FLOP/s for matmuls, convolutions and
-attention, bytes/s for the rest, per op name (the median over the suite's two sizes and its
-repeats). An op the suite never ran is priced at its class's median rate. What a step costs
-beyond its kernels (Python, autograd, the dispatcher) is the per-op `overhead`: the suite's
-wall time less its ops' times, per op. The spread of an op class's rates is the interval.
+On the CPU, a suite of small training steps — the pieces models are made of: linear layers
+with GELU and dropout, layer norm and softmax, attention, convolutions with batch norm, ReLU
+and pooling, embeddings and cross-entropy — runs forward and backward under a dispatch mode
+that times every aten op. Each op's rate is what it reached: FLOP/s for matmuls,
+convolutions and attention, bytes/s for the rest, per op name (the median over the suite's
+two sizes and its repeats). An op the suite never ran is priced at its class's median rate.
+What a step costs beyond its kernels (Python, autograd, the dispatcher) is the per-op
+`overhead`: the suite's wall time less its ops' times, per op. The spread of an op class's
+rates is the interval.
 
 Calibration takes seconds; `rematlab.preflight.targets.calibrated` keeps its result on disk.
 The machine may be shared: rates are medians of repeats, and a busy machine is said
