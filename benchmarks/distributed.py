@@ -116,7 +116,9 @@ def main() -> None:
         "rank step runs on fake tensors, sharded by FSDP2 on a fake group of 8. The budget is "
         "the card's (80 GiB less the CUDA context, the allocator's segments and a 5 % margin). "
         "Full fine-tuning holds about 15 GiB of shards per rank (fp32 parameters 1/8, fp32 "
-        "AdamW state 1/8; the gradients' shards appear in backward).",
+        "AdamW state 1/8; the gradients' shards appear in backward). AdamW runs its "
+        "multi-tensor (`foreach`) update, torch's default on CUDA, whose temporaries over "
+        "every shard at once make the optimizer step the floor at one sequence per rank.",
         "",
         *big,
         "",
