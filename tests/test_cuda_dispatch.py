@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import rematlab
 from benchmarks.korthikanti import BATCH, SEQ, layer_bytes
 from rematlab.preflight.cuda_ops import CudaDispatch
+from tests.clirun import run
 
 
 def _gpt2() -> torch.nn.Module:  # dropout 0.1 on residuals, embeddings and attention
@@ -87,3 +88,24 @@ def test_saved_bytes_per_layer_match_korthikantis_formula(width):
     within 1 %, well inside the 10 % the issue asks."""
     formula = 34 * SEQ * BATCH * width
     assert formula <= layer_bytes(width) <= 1.01 * formula
+
+
+def test_a_model_that_moves_to_cuda_itself_fails_cleanly(tmp_path):
+    """Pre-flight makes no fake CUDA tensor, but a model's own `.cuda()` would: on this CPU
+    build that must be one error line and exit 2, never an abort (run as a child process,
+    which an abort would kill with a signal)."""
+    (tmp_path / "cudamodel.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class ToCuda(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n"
+        "        return (self.lin(x).cuda() * 2).cpu()\n\n\n"
+        "def make():\n"
+        "    return nn.Sequential(ToCuda(), ToCuda())\n")
+    proc = run(["plan", "--model", "cudamodel:make", "--input-shape", "8", "--batch", "4",
+                "--predict", "--target", "h100-80gb", "--budget", "1GiB"], cwd=tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-500:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "cuda" in lines[0], lines
