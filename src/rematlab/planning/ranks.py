@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch.distributed as dist
 from torch import nn
 
+from rematlab.core.layout import FSDP
 from rematlab.core.recipe import Step
 from rematlab.distributed.engine import RankEngine
 from rematlab.distributed.group import world_size
@@ -69,27 +70,26 @@ def for_rank(model: nn.Module, profiled: nn.Module, batch: object, st: Structure
     predict = target is not None
     world = world_size(layout, predict)
     names = {id(m): n for n, m in profiled.named_modules()}
-    layers = [names[id(b)] for b in st.blocks] if st.kind == "layers" else None
-    chain = [names.get(id(b)) for b in st.blocks]
-    if layout.kind == "fsdp" and getattr(layout, "units", None) is None and None in chain:
+    chain = [names.get(id(b)) for b in st.blocks]  # a layer model's blocks are all named
+    if isinstance(layout, FSDP) and layout.units is None and None in chain:
         raise ConfigError("this model's blocks are not modules of it: name the FSDP units "
                           "(FSDP(units=...))")
-    units = unit_names(model, layout, layers if layers is not None else
-                       [n for n in chain if n is not None])
+    units = unit_names(model, layout, [n for n in chain if n is not None])
     if not predict and world > 1:
         shared = [costs]
         dist.broadcast_object_list(shared, src=0)  # every rank plans from rank 0's profile
         costs = shared[0]
     offset = 1 if st.kind == "layers" else 0  # a layer model's chain starts with "before"
     block_units = [None] * costs.n
-    for i, name in enumerate(layers if layers is not None else chain):
+    for i, name in enumerate(chain):
         if name in units:
             block_units[i + offset] = units.index(name)
     scale = (sum(p.numel() * p.element_size() for p in model.parameters())
              / max(1, sum(p.numel() * p.element_size() for p in profiled.parameters())))
     costs = per_rank(costs, unit_params(model, units), block_units, layout, world, scale)
     cuda = predict and target.kind == "cuda"
-    engine = RankEngine(model, batch, step, layout, world, units, layers,
+    engine = RankEngine(model, batch, step, layout, world, units,
+                        chain if st.kind == "layers" else None,
                         session=FakeSession(cuda=cuda) if predict else None,
                         unit=target.unit if predict else 1,
                         extra=target.workspace if cuda else 0, source=source)
