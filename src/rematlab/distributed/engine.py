@@ -29,8 +29,9 @@ from rematlab.distributed.group import mesh_for
 from rematlab.distributed.meter import RankTracker
 from rematlab.distributed.shard import shard
 from rematlab.plans.plan import Plan
-from rematlab.preflight.fake import FakeSession, twin
+from rematlab.preflight.fake import FakeSession
 from rematlab.remat.strategies import apply
+from rematlab.remat.tracing import meta_copy
 
 PARAMS, STATE, INPUTS = "parameter shards", "optimizer state", "batch and buffers"
 
@@ -92,14 +93,14 @@ class RankEngine:
                     planned.to_empty(device="cpu")
                     return self._metered(planned, self.session.batch(self.batch),
                                          readable=False)
-            device = next(tensors(self.batch)).device
-            if isinstance(self.layout, FSDP):  # each rank allocates its shards only
+            # FSDP shards first, so that each rank allocates its shards only; DDP broadcasts
+            # the parameters as it wraps them, so real ones come first
+            fsdp = isinstance(self.layout, FSDP)
+            if fsdp:
                 planned = shard(planned, units, self.layout, mesh)
-                planned.to_empty(device=device)
-                fill(planned, self.source or self.model)
-            else:  # DDP broadcasts the parameters as it wraps them: real ones first
-                planned.to_empty(device=device)
-                fill(planned, self.source or self.model)
+            planned.to_empty(device=next(tensors(self.batch)).device)
+            fill(planned, self.source or self.model)
+            if not fsdp:
                 planned = shard(planned, units, self.layout, mesh)
             return self._metered(planned, self.batch, readable=True)
 
@@ -180,13 +181,3 @@ def _largest(peak: int, device: str) -> int:
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
 
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """`module`'s twin on the meta device (tied weights stay tied): its shapes, no data."""
-    return twin(module, _on_meta)
-
-
-def _on_meta(t: torch.Tensor) -> torch.Tensor:
-    meta = torch.empty_like(t, device="meta")
-    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
-        else meta

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from rematlab.core.layout import DDP, FSDP
+from rematlab.distributed.shard import DTYPES
 from rematlab.exceptions import ConfigError
 from rematlab.remat.layers import rebound
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
 

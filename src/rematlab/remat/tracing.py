@@ -12,7 +12,6 @@ are no chain at all are driven through their layers (`rematlab.remat.layers`).
 
 from __future__ import annotations
 
-import copy
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from rematlab.exceptions import ConfigError
+from rematlab.preflight.fake import twin
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,14 @@ class ChainInfo:
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of `module` on the meta device, made without copying any weight data."""
-    memo: dict[int, object] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        clone = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(clone, t.requires_grad) if isinstance(t, nn.Parameter) else clone
-    return copy.deepcopy(module, memo)
+    """A copy of `module` on the meta device, made without copying any weight data: its
+    parameters, buffers and tensor attributes as meta tensors (tied weights stay tied)."""
+    return twin(module, _on_meta)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    clone = torch.empty_like(t, device="meta")
+    return nn.Parameter(clone, t.requires_grad) if isinstance(t, nn.Parameter) else clone
 
 
 def find_chain(model: nn.Module, example_input: torch.Tensor | None = None,
