@@ -53,7 +53,7 @@ class RankEngine:
     plan's items refer to (None: a chain model, `apply` finds them); `units`: the FSDP
     units' names; `session`: the fake-tensor session of a prediction (None: measured);
     `unit`: the allocator's block size bytes are rounded to; `extra`: bytes resident on
-    every rank beyond the step's tensors (a CUDA target's cuBLAS workspace)."""
+    every rank beyond the step's tensors (a CUDA target's BLAS workspaces)."""
 
     model: nn.Module
     batch: Batch
@@ -124,10 +124,10 @@ class RankEngine:
                 self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
             peak, split, method = tracker.peak, tracker.at_peak, tracker.method
         # resident beyond the tracked tensors: DDP's buckets (made in C++ at construction,
-        # seen by CUDA's allocator but by no dispatch mode), a CUDA target's workspace
+        # seen by CUDA's allocator but by no dispatch mode), a CUDA target's BLAS workspaces
         extra = {"gradient buckets": ddp_buckets(model)
                  if isinstance(self.layout, DDP) and not cuda else 0,
-                 "cuBLAS workspace": self.extra}
+                 "BLAS workspaces": self.extra}
         extra = {k: v for k, v in extra.items() if v}
         peak += sum(extra.values())
         if self.session is None and self.world_size > 1:

@@ -46,8 +46,8 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
                     ) -> tuple[ChainCosts, Target]:
     """The costs of `model`'s `step` on `batch` as `target` would run it (with `ops`, each
     block's menu of op-level options too), and the target (None: the device the batch is
-    on, calibrated). On a CUDA target the cuBLAS workspace is resident; a calibrated target
-    says what a checkpoint costs beyond the forward it repeats."""
+    on, calibrated). On a CUDA target the BLAS workspaces are resident
+    (`Target.blas_resident`)."""
     kind = (torch.device(device).type if device is not None
             else next(tensors(batch)).device.type)
     tgt = resolve_target(target, kind)
@@ -55,9 +55,8 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
         costs = profile_layers(model, batch, st.blocks, step=step, target=tgt, ops=ops)
     else:
         costs = profile_chain(st.blocks, one_tensor(batch), target=tgt, ops=ops, step=step)
-    return replace(costs, base=costs.base + tgt.workspace,
-                   optimizer_peak=costs.optimizer_peak + tgt.workspace,
-                   checkpoint_time=tgt.extra.get("checkpoint", 0.0)), tgt
+    return replace(costs, base=costs.base + tgt.blas_resident,
+                   optimizer_peak=costs.optimizer_peak + tgt.blas_resident), tgt
 
 
 def card_budget(budget: str | int, target: Target | None, model: nn.Module

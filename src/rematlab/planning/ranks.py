@@ -92,5 +92,5 @@ def for_rank(model: nn.Module, profiled: nn.Module, batch: object, st: Structure
                         chain if st.kind == "layers" else None,
                         session=FakeSession(cuda=cuda) if predict else None,
                         unit=target.unit if predict else 1,
-                        extra=target.workspace if cuda else 0, source=source)
+                        extra=target.blas_resident if cuda else 0, source=source)
     return costs, engine

@@ -106,11 +106,14 @@ class ChainCosts:
     optimizer_peak: int = 0  # params + all grads + optimizer state + step transient
     options: list[list[Option]] = field(default_factory=list)  # per block; [] = keep or not
     # predicted costs (`rematlab.preflight`): each block's (fastest, slowest) seconds, and
-    # the seconds each checkpointed segment costs beyond recomputing its forward (hooks, the
-    # RNG state, a forward run again on a cold cache), calibrated on the target; 0 measured
+    # the seconds a checkpointed segment starting at each block costs beyond recomputing its
+    # forward (checkpoint's host work: hooks, the RNG state; on a GPU what of it the
+    # recomputation's kernels do not hide, `preflight.targets.checkpoint_seconds`), with its
+    # range; none when measured (a measured segment's time is its own)
     fwd_range: list[tuple[float, float]] = field(default_factory=list)
     bwd_range: list[tuple[float, float]] = field(default_factory=list)
-    checkpoint_time: float = 0.0
+    checkpoint_time: list[float] = field(default_factory=list)
+    checkpoint_range: list[tuple[float, float]] = field(default_factory=list)
     # the user's step (`rematlab.core.recipe.Step`): `cast[i]` the bytes of block i's
     # low-precision weight copies that autocast caches until the forward ends (held by a
     # checkpointed block beyond its input; a kept block saves them anyway); with
@@ -141,7 +144,13 @@ class ChainCosts:
         if not self.fwd_range:
             return self
         return replace(self, fwd_time=[r[end] for r in self.fwd_range],
-                       bwd_time=[r[end] for r in self.bwd_range])
+                       bwd_time=[r[end] for r in self.bwd_range],
+                       checkpoint_time=[r[end] for r in self.checkpoint_range])
+
+    def checkpoint_cost(self, start: int) -> float:
+        """Seconds a checkpointed segment starting at block `start` adds beyond its
+        recomputed forward (0 where not predicted)."""
+        return self.checkpoint_time[start] if self.checkpoint_time else 0.0
 
     def grads_between(self, start: int, end: int) -> int:
         """Gradient bytes that backward creates for blocks `start..end-1` (none when they
@@ -159,7 +168,10 @@ class ChainCosts:
     def from_dict(cls, data: dict) -> ChainCosts:
         menus = [[Option(**{**o, "saves": tuple(tuple(v) for v in o["saves"])}) for o in menu]
                  for menu in data.get("options", [])]
-        return cls(**{**data, "options": menus})
+        ckpt = data.get("checkpoint_time", [])
+        if isinstance(ckpt, (int, float)):  # written before the cost was per block
+            ckpt = [float(ckpt)] * len(data["saved"]) if ckpt else []
+        return cls(**{**data, "options": menus, "checkpoint_time": ckpt})
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def need(items: tuple[Item, ...], end: int, held_in: bool, c: ChainCosts) -> tup
     m_rest, t_rest = need(rest, end, False, c)
     m_in, t_in = need(first.inner, k, True, c)
     mem = max(fwd, held + m_rest, recompute_base + m_in)
-    return mem, sum(c.fwd_time[s:k]) + c.checkpoint_time + t_rest + t_in
+    return mem, sum(c.fwd_time[s:k]) + c.checkpoint_cost(s) + t_rest + t_in
 
 
 def kept(item: int | Selective, c: ChainCosts) -> tuple[int, Option | None]:

@@ -314,7 +314,7 @@ class _Grid:
         inner_rows = self.table[0, 1].reshape(-1)
         inner = inner_rows[ids[s, karr][:, None] * self.width + cols]
         rest = self.table[mode, 0, ids[karr, t], : self.top + 1]
-        fwd = (self.prefix_fwd[karr] - self.prefix_fwd[s] + c.checkpoint_time
+        fwd = (self.prefix_fwd[karr] - self.prefix_fwd[s] + c.checkpoint_cost(s)
                ).astype(np.float32)
         cand = inner + rest + fwd[:, None]
         arg = np.argmin(cand, axis=0)

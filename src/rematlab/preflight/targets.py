@@ -11,8 +11,8 @@ measures them on a device that is present instead.
 
 On a CUDA target the allocator adds to the tensors (`rematlab.preflight.allocator`): every
 block is a multiple of 512 bytes (`unit`), the CUDA context lives outside the allocator
-(`context`, which the budget loses), and cuBLAS keeps a workspace inside it (`workspace`,
-counted as resident).
+(`context`, which the budget loses), and cuBLAS keeps a workspace inside it per handle
+(`workspace`; two handles are resident, `blas_resident`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,27 @@ from rematlab.preflight.roofline import LoggedOp
 
 MiB = 1 << 20
 GiB = 1 << 30
+KiB = 1 << 10
+
+# BLAS workspaces per handle and stream, from torch's `aten/src/ATen/cuda/CublasHandlePool.cpp`
+# (`parseChosenWorkspaceSize`, `parseCUDABlasLtWorkspaceSize`), without the environment
+# variables that change them (`CUBLAS_WORKSPACE_CONFIG`, `CUBLASLT_WORKSPACE_SIZE`):
+# cuBLAS `:4096:2:16:8` (8 MiB + 128 KiB), 32 MiB on Hopper (sm90); cuBLASLt 1 MiB, counted
+# apart (it shares cuBLAS's only when `TORCH_CUBLASLT_UNIFIED_WORKSPACE` is set). ROCm:
+# hipBLAS 32 MiB, 128 MiB on gfx94x/gfx95x (MI300), hipBLASLt 76 MiB.
+CUBLAS_DEFAULT = 4096 * KiB * 2 + 16 * KiB * 8
+CUBLAS_HOPPER = 4096 * KiB * 8
+CUBLASLT = 1024 * KiB
+HIPBLAS_DEFAULT, HIPBLAS_GFX94 = 32 * MiB, 128 * MiB
+HIPBLASLT = 76 * MiB
+BLAS_HANDLES = 2  # the caller's thread (forward, optimizer) and autograd's device thread
+
+# What torch.utils.checkpoint's own host work costs per region (saved-tensor hooks, the RNG
+# state stashed and restored, the recomputation's frames), low/typical/high seconds: an
+# assumption for a data-sheet target. `benchmarks/checkpoint_host.py` measured 0.2 ms on this
+# 2-core CPU (a one-layer region, less its plain step and its forward); a faster host runs
+# it in less, so 0.05-0.4 ms. On a GPU it overlaps with the kernels queued before it.
+HOST_CHECKPOINT = (50e-6, 200e-6, 400e-6)
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,9 @@ class Target:
     bandwidth_efficiency: tuple[float, float, float] = (0.5, 0.75, 0.9)
     context: int = 0
     workspace: int = 0
+    # host seconds of torch.utils.checkpoint's own work per region (low, typical, high): an
+    # assumption (`HOST_CHECKPOINT`) unless calibrated (`extra["checkpoint"]`)
+    checkpoint_host: tuple[float, float, float] = (0.0, 0.0, 0.0)
     source: str = ""
     calibrated: bool = False
     extra: dict = field(default_factory=dict)
@@ -67,6 +91,14 @@ class Target:
     def unit(self) -> int:
         """Allocation granularity: the CUDA caching allocator's 512-byte blocks."""
         return 512 if self.kind == "cuda" else 1
+
+    @property
+    def blas_resident(self) -> int:
+        """Bytes of BLAS workspaces a training step leaves allocated: one per cuBLAS handle and
+        stream (`CublasHandlePool.cpp`: `setWorkspaceForHandle`, kept for the process's
+        life), and handles are per thread — the forward runs on the caller's thread, the
+        backward on autograd's device thread (`torch/csrc/autograd/engine.cpp`) — so two."""
+        return BLAS_HANDLES * self.workspace
 
     @property
     def usable(self) -> int:
@@ -81,19 +113,18 @@ class Target:
 
 
 def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
-         source: str, workspace: int = 32 * MiB, fp16: float | None = None) -> Target:
-    """A data-sheet profile. `workspace`: the cuBLAS workspace torch allocates per handle and
-    stream, by ATen's `CUBLAS_WORKSPACE_CONFIG` default (`CublasHandlePool.cpp`:
-    `:4096:8`, 32 MiB, on Hopper; `:4096:2:16:8`, about 8 MiB, before it; cuBLAS's own
-    guide recommends 32 MiB on Hopper, 4 MiB before); one handle is budgeted, and ROCm's
-    hipBLASLt is assumed alike. `overhead`: an assumption, 3-10 µs per op of eager
-    dispatch and kernel launch (5 typical), until a GPU here calibrates it."""
+         source: str, workspace: int = CUBLAS_DEFAULT + CUBLASLT, fp16: float | None = None
+         ) -> Target:
+    """A data-sheet profile. `workspace`: the BLAS workspaces torch allocates per handle and
+    stream (`BLAS_WORKSPACES`). `overhead`: an assumption, 3-10 µs per op of eager dispatch
+    and kernel launch (5 typical), until a GPU here calibrates it; `checkpoint_host` the
+    assumed `HOST_CHECKPOINT`."""
     tera = 1e12
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
         flops={"float32": fp32 * tera, "bfloat16": bf16 * tera,
                "float16": (fp16 if fp16 is not None else bf16) * tera},
-        bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6),
+        bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6), checkpoint_host=HOST_CHECKPOINT,
         context=CUDA_CONTEXT, workspace=workspace, source=source)
 
 
@@ -107,34 +138,34 @@ CUDA_CONTEXT = 512 * MiB
 PROFILES: dict[str, Target] = {t.name: t for t in (
     _gpu("a100-80gb", 81920, 19.5, 312, 2.039e12,
          "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 "
-         "TFLOPS, HBM2e 2,039 GB/s", workspace=8 * MiB),
+         "TFLOPS, HBM2e 2,039 GB/s"),
     _gpu("h100-80gb", 81559, 67, 989.4, 3.35e12,
          "NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOPS, BF16 989 TFLOPS "
-         "(1,979 with sparsity), HBM3 3.35 TB/s"),
+         "(1,979 with sparsity), HBM3 3.35 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
     _gpu("h200", 143771, 67, 989.4, 4.8e12,
          "NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOPS, BF16 989 TFLOPS, "
-         "HBM3e 141 GB at 4.8 TB/s"),
+         "HBM3e 141 GB at 4.8 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
     _gpu("rtx4090", 24564, 82.6, 165.2, 1.008e12,
          "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GeForce RTX 4090): "
-         "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s",
-         workspace=8 * MiB),
+         "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s"),
     _gpu("mi300x", 196608, 163.4, 1307.4, 5.3e12,
          "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
-         " HBM3 192 GB at 5.3 TB/s", workspace=8 * MiB),
+         " HBM3 192 GB at 5.3 TB/s", workspace=HIPBLAS_GFX94 + HIPBLASLT),
     _gpu("v100-32gb", 32768, 15.7, 15.7, 0.9e12,
          "NVIDIA Tesla V100 data sheet (SXM2 32GB): FP32 15.7 TFLOPS, Tensor (FP16) 125 "
          "TFLOPS, HBM2 900 GB/s; its tensor cores take no BF16: bf16 is priced at FP32's rate",
-         workspace=8 * MiB, fp16=125),
+         fp16=125),
     _gpu("l40s", 49152, 91.6, 362.05, 0.864e12,
          "NVIDIA L40S data sheet: FP32 91.6 TFLOPS, BF16 tensor 362.05 TFLOPS (733 with "
-         "sparsity), GDDR6 48 GB at 864 GB/s", workspace=8 * MiB),
+         "sparsity), GDDR6 48 GB at 864 GB/s"),
     _gpu("l40", 49152, 90.5, 181.05, 0.864e12,
          "NVIDIA L40 data sheet: FP32 90.5 TFLOPS, BF16 tensor 181.05 TFLOPS (362.1 with "
-         "sparsity), GDDR6 48 GB at 864 GB/s", workspace=8 * MiB),
+         "sparsity), GDDR6 48 GB at 864 GB/s"),
     # torch sees each of an MI250X's two dies (GCDs) as a device: half the board's figures
     _gpu("mi250x-gcd", 65536, 95.7 / 2, 383.0 / 2, 1.6e12,
          "AMD Instinct MI250X data sheet, per GCD (half the board): FP32 matrix 95.7 TFLOPS, "
-         "BF16 383.0 TFLOPS, HBM2e 128 GB at 3.2 TB/s for the board", workspace=8 * MiB),
+         "BF16 383.0 TFLOPS, HBM2e 128 GB at 3.2 TB/s for the board",
+         workspace=HIPBLAS_DEFAULT + HIPBLASLT),
 )}
 # Which profile a device is, by a part of the name torch gives it (`get_device_name`), the
 # longer names first ("L40S" before "L40")
@@ -164,6 +195,27 @@ def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> floa
     other. A GPU runs them side by side: the host launches kernels ahead of the device, so a
     step takes the longer of its kernels' time and its launches' time (launch-bound at small
     sizes, kernel-bound at large ones), not their sum."""
+    kernels, launches = _parts(ops, target, bound)
+    return max(kernels, launches) if target.kind == "cuda" else kernels + launches
+
+
+def checkpoint_seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> float:
+    """What checkpointing a block whose forward runs `ops` adds to a step beyond running
+    `ops` again: checkpoint's own host work. Measured on a calibrated target
+    (`extra["checkpoint"]`); else the target's `checkpoint_host`, which on a GPU overlaps
+    with the recomputation's kernels as its launches do: it costs only what the host falls
+    behind the device by (`max(kernels, launches + host) - max(kernels, launches)`)."""
+    if "checkpoint" in target.extra:
+        return target.extra["checkpoint"]
+    host = target.checkpoint_host[2 - BOUNDS[bound]]
+    if target.kind != "cuda":
+        return host
+    kernels, launches = _parts(ops, target, bound)
+    return max(kernels, launches + host) - max(kernels, launches)
+
+
+def _parts(ops: list[LoggedOp], target: Target, bound: str) -> tuple[float, float]:
+    """(device seconds of `ops`' work, host seconds of their launches) at `bound`."""
     i = BOUNDS[bound]
     eff, beff = target.efficiency[i], target.bandwidth_efficiency[i]
     measured = target.extra.get("rates", {})
@@ -178,8 +230,7 @@ def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> floa
                 rate = peak * (target.extra.get("conv", 1.0) if op.kind == "conv" else 1.0)
             took = max(op.flops / (rate * eff), op.nbytes / (target.bandwidth * beff))
         kernels += took
-    launches = len(ops) * target.overhead[2 - i]
-    return max(kernels, launches) if target.kind == "cuda" else kernels + launches
+    return kernels, len(ops) * target.overhead[2 - i]
 
 
 def interval(ops: list[LoggedOp], target: Target) -> tuple[float, float, float]:
@@ -258,6 +309,7 @@ def _from_fields(fields: dict, where: str) -> Target:
             "efficiency": tuple(fields.get("efficiency", base.efficiency)),
             "bandwidth_efficiency": tuple(fields.get("bandwidth_efficiency",
                                                      base.bandwidth_efficiency)),
+            "checkpoint_host": tuple(fields.get("checkpoint_host", base.checkpoint_host)),
         })
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: bad target profile: {exc}") from None
@@ -281,7 +333,7 @@ def calibrated(kind: str = "cpu") -> Target:
     return target
 
 
-_TUPLES = ("overhead", "efficiency", "bandwidth_efficiency")
+_TUPLES = ("overhead", "efficiency", "bandwidth_efficiency", "checkpoint_host")
 
 
 def _machine(kind: str) -> str:

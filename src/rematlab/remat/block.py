@@ -23,8 +23,9 @@ from rematlab.core.probes import (
 from rematlab.core.steps import unit_loss
 from rematlab.core.timer import time_block
 from rematlab.preflight.fake import is_fake
+from rematlab.preflight.kernels import KernelScratch
 from rematlab.preflight.roofline import OpLog
-from rematlab.preflight.targets import Target, backward_interval, interval
+from rematlab.preflight.targets import Target, backward_interval, checkpoint_seconds, interval
 from rematlab.preflight.workspace import Scratch
 
 
@@ -49,7 +50,10 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         f_lo, fwd_time, f_hi = interval(tracked.logs[0].ops, target)
         b_lo, bwd_time, b_hi = (backward_interval(tracked.logs[1].ops, tracked.nxt, target)
                                 if tracked.bwd_ran else (0.0, 0.0, 0.0))
-        ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi)}
+        c_lo, c_mid, c_hi = (checkpoint_seconds(tracked.logs[0].ops, target, bound)
+                             for bound in ("fast", "typical", "slow"))
+        ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi),
+                  "checkpoint_time": c_mid, "checkpoint_range": (c_lo, c_hi)}
     kin, kout = tracked.kin, tracked.kout
     return {
         **ranges,
@@ -104,6 +108,7 @@ class _BlockRun:
         self.flops = FlopCounterMode(display=False)
         self.logs = (OpLog(), OpLog()) if target is not None else None
         self._scratch_kind = target.kind if target is not None and target.calibrated else None
+        self._cuda = target is not None and target.kind == "cuda"
         real = not (x_in.device.type == "meta" or is_fake(x_in))
         self.allocator = allocator_trace(x_in.device) if real else None
         region = getattr(run, "autocast_dtype", None)  # `Step.in_region`: autocast's dtype
@@ -120,6 +125,8 @@ class _BlockRun:
             stack.enter_context(self.allocator.phase(phase))
         if self._scratch_kind is not None:  # kernels' scratch, asked of the device
             stack.enter_context(Scratch(self.tracker, self._scratch_kind))
+        if self._cuda:  # attention kernels' scratch, from their sources
+            stack.enter_context(KernelScratch(self.tracker))
         if not self.compile:
             stack.enter_context(self.tracker)
         if self.logs is not None:

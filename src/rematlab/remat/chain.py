@@ -76,7 +76,8 @@ def profile_chain(
     base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem", "grad",
-        "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range", "cast")}
+        "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range", "cast",
+        "checkpoint_time", "checkpoint_range")}
     params_bytes = 0
     watch = (session.active() if session is not None else contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))

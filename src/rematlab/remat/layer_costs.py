@@ -100,7 +100,11 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
     if target is not None:  # the same at each end of the predicted interval
         ranges = {"fwd_range": [(0.0, 0.0), *(r["fwd_range"] for r in rows), (0.0, 0.0)],
                   "bwd_range": [outside_range, *(r["bwd_range"] for r in rows),
-                                (0.0, 0.0)]}
+                                (0.0, 0.0)],
+                  # the outer pseudo-blocks are never checkpointed
+                  "checkpoint_time": [0.0, *(r["checkpoint_time"] for r in rows), 0.0],
+                  "checkpoint_range": [(0.0, 0.0), *(r["checkpoint_range"] for r in rows),
+                                       (0.0, 0.0)]}
 
     # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
     # outputs): the live bytes each layer added in the real step, less what its profile
