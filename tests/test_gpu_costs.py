@@ -76,7 +76,8 @@ def test_two_blas_workspaces_are_resident_as_torch_sizes_them_per_architecture()
     assert h100.workspace == 33 * MiB  # cuBLAS 32 MiB on Hopper, cuBLASLt 1 MiB
     assert a100.workspace == 8 * MiB + 128 * 1024 + MiB  # :4096:2:16:8, cuBLASLt 1 MiB
     assert mi300.workspace == (128 + 76) * MiB  # hipBLAS on gfx94x, hipBLASLt
-    assert h100.blas_resident == 2 * h100.workspace
+    assert h100.blas_resident == 2 * 34 * MiB  # each its own segment, handed out whole
+    assert a100.blas_resident == 2 * a100.workspace  # split off a 20 MiB segment
 
 
 def test_predicted_costs_count_both_threads_workspaces_as_resident():
@@ -86,8 +87,8 @@ def test_predicted_costs_count_both_threads_workspaces_as_resident():
     h100 = PROFILES["h100-80gb"]
     costs, _ = predicted_costs(model, x, st, "cpu", Step(), h100)
     bare, _ = predicted_costs(model, x, st, "cpu", Step(), replace(h100, workspace=0))
-    assert costs.base - bare.base == 2 * h100.workspace
-    assert costs.optimizer_peak - bare.optimizer_peak == 2 * h100.workspace
+    assert costs.base - bare.base == h100.blas_resident
+    assert costs.optimizer_peak - bare.optimizer_peak == h100.blas_resident
 
 
 def _ops(n: int, flops: float) -> list[LoggedOp]:

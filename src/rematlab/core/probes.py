@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -97,6 +97,8 @@ class LiveTensorTracker(TorchDispatchMode):
     `cap`: raise `SimulatedOOM` as soon as live bytes exceed it (a smaller device emulated).
     `unit`: count every storage rounded up to this block size (512 on CUDA, whose caching
     allocator hands out 512-byte multiples), for predictions made on the meta device.
+    `listener`: told of each storage's allocation (`alloc(key, nbytes)`) and free
+    (`free(key)`) in order, to replay them (`rematlab.preflight.caching`).
     """
 
     method = "dispatch_live_storages"
@@ -109,6 +111,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self.listener: Any = None
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Register tensors that already exist (parameters, optimizer state, inputs)."""
@@ -129,16 +132,23 @@ class LiveTensorTracker(TorchDispatchMode):
             if nbytes != known:  # resized in place
                 self.live += nbytes - known
                 self._sizes[key] = nbytes
+                if self.listener is not None:
+                    self.listener.free(key)
+                    self.listener.alloc(key, storage.nbytes())
                 self._bump()
             return
         self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
         self.live += nbytes
+        if self.listener is not None:
+            self.listener.alloc(key, storage.nbytes())
         self._bump()
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
+        if self.listener is not None:
+            self.listener.free(key)
 
     def _bump(self) -> None:
         if self.live > self.peak:

@@ -71,7 +71,7 @@ class _Searcher:
         self.step, self.blocks, self.ops = step, blocks, ops
         self.target = target  # predicted for it, nothing measured (`rematlab.preflight`)
         self.device = next(tensors(make(1))).device
-        self.budget = (card_budget(budget, target, model)  # batches come later
+        self.budget = (card_budget(budget, target)  # batches come later
                        or resolve_budget(budget, self.device, resident(model)))
         # a predicted batch keeps the pre-flight margin free: it is not verified
         self.room = room(self.budget.nbytes) if target else self.budget.nbytes
@@ -193,6 +193,8 @@ class _Searcher:
         time of its plan (`optimal`: the fastest within the budget) and the predicted peak
         one sample above: nothing is measured."""
         batch = self.estimate(case, rounds=0)  # fake profiles are affine in the batch
+        if self.target is not None and self.target.kind == "cuda":
+            batch = self._reserved_fit(case, batch)
         if batch < 1:
             return BatchFit(case=case, batch=0, peak=None, over=self.modelled(case, 1),
                             estimate=0, measured=0, at_limit=False)
@@ -205,6 +207,21 @@ class _Searcher:
                         estimate=batch, measured=0, at_limit=batch >= self.limit,
                         plan=chosen.describe() if case == "optimal" else None, step_s=step,
                         throughput=batch / step if step > 0 else None)
+
+    def _reserved_fit(self, case: str, batch: int) -> int:
+        """Down from `batch` until its plan's reserved peak on the target's card (the step
+        replayed through the caching allocator, `Planning.card`) is within the budget, by
+        the share it overshoots."""
+        while batch >= 1:
+            planning = self.planning(batch)
+            chosen = (none_plan(planning.costs.n) if case == "none"
+                      else planning.solution.plan_for(self.room))
+            reserved = self._with_batch(planning, batch,
+                                        lambda p=planning, c=chosen: p.card(c).reserved)
+            if reserved <= self.budget.nbytes:
+                break
+            batch = min(batch - 1, batch * self.budget.nbytes // reserved)
+        return batch
 
     def find(self, case: str) -> BatchFit:
         estimate = self.estimate(case)

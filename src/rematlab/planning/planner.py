@@ -32,6 +32,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
+from rematlab.planning.reserve import CardMemory, card_memory
 from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -80,7 +81,9 @@ class Planning:
         when predicted for a target, else the simulated floor; what
         `InfeasibleBudgetError.min_peak` reports."""
         if not self.verify:
-            return with_margin(self.floor) if self.target is not None else self.floor
+            if self.target is None:
+                return self.floor
+            return max(with_margin(self.floor), self._reserved(self.solution.frontier[0]) or 0)
         if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
             return self._measure_cached(self.solution.frontier[0])
         return max(self.floor, self._measure_cached(self.solution.frontier[0]))
@@ -94,7 +97,7 @@ class Planning:
     def budget(self, budget: str | int) -> DeviceBudget:
         """`budget` in bytes, with how it was derived (`derive`; for a predicted GPU
         target, what the target has: `target_budget`)."""
-        return (card_budget(budget, self.target, self.model)
+        return (card_budget(budget, self.target)
                 or derive(budget, self.model, self.batch))
 
     def interval(self, chosen: Plan) -> tuple[float, float]:
@@ -129,12 +132,18 @@ class Planning:
         frontier = self.solution.frontier
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + tolerance))]
-        if not self.verify:  # a predicted plan keeps a margin free: it is not verified
+        if not self.verify:  # a predicted plan keeps a margin free: it is not measured
             top = room(limit) if self.target is not None else limit
-            fits = [p for p in frontier if (p.predicted_peak or 0) <= top]
-            if not fits:
-                raise infeasible(limit, self.floor_budget())
-            return self._named(fits[-1], name, limit)
+            skip_above = None  # after a miss, down by the overshoot
+            for candidate in reversed([p for p in frontier if (p.predicted_peak or 0) <= top]):
+                if (skip_above is not None and (candidate.predicted_peak or 0) > skip_above
+                        and candidate is not frontier[0]):
+                    continue
+                reserved = self._reserved(candidate)  # on a GPU target, the card's
+                if reserved is None or reserved <= limit:
+                    return replace(self._named(candidate, name, limit), reserved_peak=reserved)
+                skip_above = (candidate.predicted_peak or 0) - (reserved - limit)
+            raise infeasible(limit, self.floor_budget())
         skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
         tried = 0
         for candidate in reversed(pool):
@@ -183,6 +192,25 @@ class Planning:
             raise ConfigError("a per-rank breakdown needs a parallel layout: "
                               "step=Step(layout=FSDP(...) or DDP(...))")
         return self.ranks.peak(chosen)
+
+    def _reserved(self, chosen: Plan) -> int | None:
+        """A predicted GPU plan's reserved peak (`card`, replayed once per plan); None for
+        any other planning."""
+        if self.target is None or self.target.kind != "cuda" or self.ranks is not None:
+            return None
+        key = "reserved " + chosen.describe()
+        if key not in self._measured:
+            self._measured[key] = self.card(chosen).reserved
+        return self._measured[key]
+
+    def card(self, chosen: Plan) -> CardMemory:
+        """`chosen`'s allocated and reserved peaks on a predicted GPU target's card: its whole
+        step replayed through the caching allocator (`rematlab.planning.reserve`)."""
+        if self.target is None or self.target.kind != "cuda" or self.ranks is not None:
+            raise ConfigError("reserved memory is predicted for a GPU target on one device: "
+                              "prepare(..., predict=True, target='h100-80gb', ...)")
+        return card_memory(self.model, self.structure, self.batch, self.step, chosen,
+                           self.target)
 
     def measure(self, chosen: Plan) -> int:
         """The measured step peak of `chosen` (see `step_peak`); under a layout, one rank's

@@ -18,7 +18,6 @@ from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget, is_auto
 from rematlab.plans.plan import ChainCosts
-from rematlab.preflight.allocator import slack
 from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
@@ -59,26 +58,21 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
                    optimizer_peak=costs.optimizer_peak + tgt.blas_resident), tgt
 
 
-def card_budget(budget: str | int, target: Target | None, model: nn.Module
-                ) -> DeviceBudget | None:
+def card_budget(budget: str | int, target: Target | None) -> DeviceBudget | None:
     """`budget="auto"` for a GPU target (`target_budget`); None where the budget is a size
     or the target a CPU, which derive it as a measured plan does."""
     if target is not None and target.kind == "cuda" and is_auto(budget):
-        return target_budget(target, model)
+        return target_budget(target)
     return None
 
 
-def target_budget(target: Target, model: nn.Module | None = None) -> DeviceBudget:
-    """What a step may hold on a GPU target: the card less the CUDA context, less the
-    segments the caching allocator needs beyond the blocks of the model's weights and
-    gradients (`rematlab.preflight.allocator.slack`), and less the margin `device_budget`
-    keeps on a real device (5 %, at least 256 MiB) for fragmentation."""
+def target_budget(target: Target) -> DeviceBudget:
+    """What a step may reserve on a GPU target: the card less the CUDA context and less the
+    margin `device_budget` keeps on a real device (5 %, at least 256 MiB). A plan is held
+    to it by its reserved peak (`rematlab.planning.reserve`), segments' tails and
+    fragmentation included."""
     margin = max(int(MARGIN_FRACTION * target.memory), MARGIN_MIN)
-    params = list(model.parameters()) if model is not None else []
-    sizes = [p.numel() * p.element_size() for p in params]
-    segments = slack(sizes + [n for n, p in zip(sizes, params, strict=True)
-                              if p.requires_grad])  # weights and their gradients
-    return DeviceBudget(target.usable - margin - segments,
+    return DeviceBudget(target.usable - margin,
                         f"{target.name}: {format_bytes(target.memory)} less the CUDA context "
-                        f"{format_bytes(target.context)}, segment rounding "
-                        f"{format_bytes(segments)} and a margin of {format_bytes(margin)}")
+                        f"{format_bytes(target.context)} and a margin of "
+                        f"{format_bytes(margin)}, against the step's reserved peak")

@@ -186,6 +186,9 @@ class Plan:
     budget: int | None = None
     min_peak: int | None = None
     measured_peak: int | None = None
+    # on a predicted GPU target, the card's reserved peak: the whole step replayed through
+    # the caching allocator (`rematlab.planning.reserve`)
+    reserved_peak: int | None = None
     compiled: bool = False  # costs and peak are for running it under torch.compile
     step: dict | None = None  # the user's step it was made for (`rematlab.Step.to_dict`)
 
@@ -212,6 +215,7 @@ class Plan:
                 "budget": self.budget,
                 "min_peak": self.min_peak,
                 "measured_peak": self.measured_peak,
+                "reserved_peak": self.reserved_peak,
                 "compiled": self.compiled,
                 "step": self.step,
             },
@@ -237,6 +241,7 @@ class Plan:
                 budget=data.get("budget"),
                 min_peak=data.get("min_peak"),
                 measured_peak=data.get("measured_peak"),
+                reserved_peak=data.get("reserved_peak"),
                 compiled=bool(data.get("compiled", False)),
                 step=data.get("step") if isinstance(data.get("step"), dict) else None,
             )

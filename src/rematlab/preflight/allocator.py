@@ -10,11 +10,9 @@ memory management; c10/cuda/CUDACachingAllocator.cpp), for predictions made off 
   to 2 MiB (`kRoundLarge`). `torch.cuda.memory_reserved` counts segments.
 
 A step's reserved peak lies above its allocated peak by the segments' unused tails and by
-cached blocks that do not fit later requests (fragmentation). The tails of the weights' and
-gradients' own segments are lost for good (`slack`): a card's budget is planned without them
-(`rematlab.planning.predicted.target_budget`), and the rest of fragmentation is left to the
-margin a real device keeps too. The CUDA context (driver and kernels, `Target.context`) is
-outside the allocator altogether.
+cached blocks that do not fit later requests (fragmentation): `rematlab.preflight.caching`
+replays a step's allocations through these rules for it. The CUDA context (driver and
+kernels, `Target.context`) is outside the allocator altogether.
 """
 
 from __future__ import annotations
@@ -47,9 +45,10 @@ def segment(nbytes: int) -> int:
     return _up(size, ROUND_LARGE)
 
 
-def slack(live: list[int]) -> int:
-    """Bytes the allocator reserves beyond the blocks of `live` tensors that no other request
-    can use: each tensor above 10 MiB sits alone in a segment rounded up to 2 MiB. (Smaller
-    tensors share segments whose free space later requests take.) What a card's budget loses
-    to its weights and gradients before any activation."""
-    return sum(segment(n) - block(n) for n in live if block(n) >= MIN_LARGE_ALLOC)
+
+def fresh(nbytes: int) -> int:
+    """Bytes a request of `nbytes` is handed from a segment reserved for it: the whole
+    segment when what would remain is too small to split off (`should_split`: more than
+    1 MiB in the large pool), else its block. A 33 MiB workspace takes a 34 MiB block."""
+    size, seg = block(nbytes), segment(nbytes)
+    return seg if size > SMALL_SIZE and seg - size <= SMALL_SIZE else size

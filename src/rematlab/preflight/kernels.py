@@ -97,8 +97,16 @@ class KernelScratch(TorchDispatchMode):
             grad_out, query, key = args[:3]
             scratch = (flash_backward if name == FLASH_BACKWARD else efficient_backward)(
                 grad_out, query, key)
-            grads = {id(t.untyped_storage()): block(t.untyped_storage().nbytes())
-                     for t in out if isinstance(t, torch.Tensor)}  # allocated first
-            self.tracker.peak = max(self.tracker.peak, self.tracker.live + sum(grads.values())
-                                    + sum(scratch))
+            storages = {id(t.untyped_storage()): t.untyped_storage()
+                        for t in out if isinstance(t, torch.Tensor)}  # allocated first
+            grads = sum(block(s.nbytes()) for s in storages.values())
+            self.tracker.peak = max(self.tracker.peak, self.tracker.live + grads + sum(scratch))
+            listener = self.tracker.listener
+            if listener is not None:  # the kernel's order: gradients, scratch, scratch freed
+                for key, storage in storages.items():
+                    listener.alloc(key, storage.nbytes())
+                for i, nbytes in enumerate(scratch):
+                    listener.alloc((self, i), nbytes)
+                for i in range(len(scratch)):
+                    listener.free((self, i))
         return out

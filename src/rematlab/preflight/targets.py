@@ -30,6 +30,7 @@ import torch
 from rematlab.core.files import cache_dir, write_text
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
+from rematlab.preflight.allocator import fresh
 from rematlab.preflight.calibrate import VERSION, measure
 from rematlab.preflight.roofline import LoggedOp
 
@@ -97,8 +98,9 @@ class Target:
         """Bytes of BLAS workspaces a training step leaves allocated: one per cuBLAS handle and
         stream (`CublasHandlePool.cpp`: `setWorkspaceForHandle`, kept for the process's
         life), and handles are per thread — the forward runs on the caller's thread, the
-        backward on autograd's device thread (`torch/csrc/autograd/engine.cpp`) — so two."""
-        return BLAS_HANDLES * self.workspace
+        backward on autograd's device thread (`torch/csrc/autograd/engine.cpp`) — so two;
+        each counted as the allocator hands it out (`allocator.fresh`)."""
+        return BLAS_HANDLES * fresh(self.workspace)
 
     @property
     def usable(self) -> int:
