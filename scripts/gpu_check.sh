@@ -82,7 +82,7 @@ step "plans: eager and torch.compile, three budgets each"
 
 step "pre-flight: plans predicted without running, their peaks measured"
 if [ "$DRY" = 1 ]; then
-    "$PY" scripts/gpu_preflight.py --device cpu --small --out "$OUT/preflight.json" \
+    "$PY" scripts/gpu_preflight.py --device cpu --profile h200 --small --out "$OUT/preflight.json" \
         --doc "$OUT/gpu.md" | tee -a "$OUT/summary.txt"
 else
     "$PY" scripts/gpu_preflight.py --device cuda --profile h200 --out "$OUT/preflight.json" \

@@ -83,9 +83,11 @@ def check(device: torch.device, targets: list[str], small: bool) -> list[dict]:
                 budget = int(low + fraction * (high - low))
                 chosen = predicted.choose(budget)
                 peak, reserved = _peaks(measured, chosen, device)
+                card = predicted.card(chosen) if predicted.target.kind == "cuda" else None
                 rows.append({"model": name, "target": target, "fraction": fraction,
                              "budget": budget, "plan": chosen.describe(),
                              "predicted_peak": chosen.predicted_peak, "measured_peak": peak,
+                             "predicted_reserved": card.reserved if card else None,
                              "reserved_peak": reserved,
                              "error": (chosen.predicted_peak - peak) / peak,
                              "within_budget": peak <= budget, "preflight_s": plan_s})
@@ -101,14 +103,16 @@ def report(rows: list[dict], context: int | None, device: str) -> str:
              "CUDA context (the process's bytes on the card beyond the allocator's reserve): "
              + (f"{context / MiB:.0f} MiB measured (pre-flight assumes 512 MiB)." if context
                 is not None else "not measured (no GPU)."), "",
-             "| model | target | budget | plan | predicted | measured allocated | reserved | "
-             "error | fits |", "|---" * 9 + "|"]
+             "| model | target | budget | plan | predicted allocated | measured allocated | "
+             "predicted reserved | measured reserved | error | fits |", "|---" * 10 + "|"]
+
+    def mib(n: int | None) -> str:
+        return f"{n / MiB:.1f} MiB" if n else "-"
     for r in rows:
-        reserved = f"{r['reserved_peak'] / MiB:.1f} MiB" if r["reserved_peak"] else "-"
-        lines.append(f"| {r['model']} | {r['target']} | {r['budget'] / MiB:.1f} MiB | "
-                     f"{r['plan']} | {r['predicted_peak'] / MiB:.1f} MiB | "
-                     f"{r['measured_peak'] / MiB:.1f} MiB | {reserved} | {r['error']:+.2%} | "
-                     f"{'yes' if r['within_budget'] else 'no'} |")
+        lines.append(f"| {r['model']} | {r['target']} | {mib(r['budget'])} | {r['plan']} | "
+                     f"{mib(r['predicted_peak'])} | {mib(r['measured_peak'])} | "
+                     f"{mib(r['predicted_reserved'])} | {mib(r['reserved_peak'])} | "
+                     f"{r['error']:+.2%} | {'yes' if r['within_budget'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

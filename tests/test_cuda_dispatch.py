@@ -32,8 +32,8 @@ def _llama() -> torch.nn.Module:  # grouped-query heads, attention dropout insid
 
 
 def _ops(factory, target: str | Target) -> set[str]:
-    """The aten ops a pre-flight plan for `target` ran, floor plan included (its layers'
-    recomputation in backward)."""
+    """The aten ops a pre-flight plan for `target` ran, the floor plan's whole step included
+    (its layers' recomputation in backward)."""
     torch.manual_seed(0)
     model = factory().to(torch.bfloat16).train()
     ids = torch.randint(0, 97, (2, 64))
@@ -41,7 +41,9 @@ def _ops(factory, target: str | Target) -> set[str]:
         planning = rematlab.prepare(model, {"input_ids": ids, "labels": ids}, predict=True,
                                     target=target,
                                     step=rematlab.Step(optimizer=torch.optim.AdamW))
-        floor = planning.choose(planning.floor_budget())
+        floor = planning.solution.frontier[0]
+        if planning.target.kind == "cuda":  # its whole step on the card, recomputation too
+            planning.card(floor)
     assert floor.segments  # a layer was checkpointed, so recomputed in backward
     return {e.name for e in prof.events()}
 
@@ -114,3 +116,30 @@ def test_a_model_that_moves_to_cuda_itself_fails_cleanly(tmp_path):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-500:])
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "cuda" in lines[0], lines
+
+
+def test_op_level_options_for_a_cuda_target_name_the_ops_cuda_runs():
+    """An op-level option saves ops by name and fingerprints the block's op sequence, so one
+    made for a CUDA target must see CUDA's: the fused dropout and flash attention."""
+    from rematlab.preflight.fake import FakeSession
+    from rematlab.preflight.targets import PROFILES
+    from rematlab.remat.ops import fingerprint, profile_ops
+
+    layer = _gpt2().to(torch.bfloat16).train().transformer.h[0]
+    seen = {}
+    for cuda in (True, False):
+        session = FakeSession(cuda=cuda)
+        twin = session.model(layer)
+        with session.active():
+            x = session.tensor(torch.empty(2, 64, 128, dtype=torch.bfloat16)).requires_grad_()
+
+            def run(v, twin=twin):
+                out = twin(v)
+                return out[0] if isinstance(out, tuple) else out
+            seen[cuda] = [o.name for o in profile_ops(twin, run, x,
+                                                       target=PROFILES["h100-80gb"])]
+    assert {"aten.native_dropout.default",
+            "aten._scaled_dot_product_flash_attention.default"} <= set(seen[True])
+    assert not any("bernoulli" in n or "for_cpu" in n for n in seen[True])
+    assert any("bernoulli" in n for n in seen[False])  # CPU dropout, a mask in bf16
+    assert fingerprint(seen[True]) != fingerprint(seen[False])  # a CPU plan is refused

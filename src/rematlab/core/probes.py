@@ -129,14 +129,9 @@ class LiveTensorTracker(TorchDispatchMode):
         nbytes = rounded(storage.nbytes(), self.unit)
         known = self._sizes.get(key)
         if known is not None and self._refs[key]() is storage:
-            if nbytes != known:  # resized in place
-                self.live += nbytes - known
-                self._sizes[key] = nbytes
-                if self.listener is not None:
-                    self.listener.free(key)
-                    self.listener.alloc(key, storage.nbytes())
-                self._bump()
-            return
+            if nbytes == known:
+                return
+            self._free(key)  # resized in place: freed, then allocated at its new size
         self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
         self.live += nbytes

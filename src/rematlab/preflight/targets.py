@@ -136,35 +136,41 @@ def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
 CUDA_CONTEXT = 512 * MiB
 
 # Data sheets (dense tensor-core peaks; FP32 is non-tensor FP32, which PyTorch uses for fp32
-# matmuls unless TF32 is switched on):
+# matmuls unless TF32 is switched on). Memory in MiB as torch reports the card
+# (`get_device_properties().total_memory`, `mem_get_info`'s total), from published logs of
+# torch on each card, not the data sheet's "80 GB": H100 80GB HBM3 81,082-81,090 (three logs),
+# A100-SXM4-80GB 79.14 GiB, H200 143,156, RTX 4090 24,563, L40S 45,589, V100 32 GB 31.75 GiB
+# and an MI250X GCD 63.98 GiB (out-of-memory messages' "total capacity"). Not found for the
+# L40 (taken as the L40S, the same 48 GB board) and the MI300X (its nominal 192 GiB): a
+# calibrated `cuda` target reads the card's own figure.
 PROFILES: dict[str, Target] = {t.name: t for t in (
-    _gpu("a100-80gb", 81920, 19.5, 312, 2.039e12,
+    _gpu("a100-80gb", 81039, 19.5, 312, 2.039e12,
          "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 "
          "TFLOPS, HBM2e 2,039 GB/s"),
-    _gpu("h100-80gb", 81559, 67, 989.4, 3.35e12,
+    _gpu("h100-80gb", 81090, 67, 989.4, 3.35e12,
          "NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOPS, BF16 989 TFLOPS "
          "(1,979 with sparsity), HBM3 3.35 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
-    _gpu("h200", 143771, 67, 989.4, 4.8e12,
+    _gpu("h200", 143156, 67, 989.4, 4.8e12,
          "NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOPS, BF16 989 TFLOPS, "
          "HBM3e 141 GB at 4.8 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
-    _gpu("rtx4090", 24564, 82.6, 165.2, 1.008e12,
+    _gpu("rtx4090", 24563, 82.6, 165.2, 1.008e12,
          "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GeForce RTX 4090): "
          "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s"),
     _gpu("mi300x", 196608, 163.4, 1307.4, 5.3e12,
          "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
          " HBM3 192 GB at 5.3 TB/s", workspace=HIPBLAS_GFX94 + HIPBLASLT),
-    _gpu("v100-32gb", 32768, 15.7, 15.7, 0.9e12,
+    _gpu("v100-32gb", 32512, 15.7, 15.7, 0.9e12,
          "NVIDIA Tesla V100 data sheet (SXM2 32GB): FP32 15.7 TFLOPS, Tensor (FP16) 125 "
          "TFLOPS, HBM2 900 GB/s; its tensor cores take no BF16: bf16 is priced at FP32's rate",
          fp16=125),
-    _gpu("l40s", 49152, 91.6, 362.05, 0.864e12,
+    _gpu("l40s", 45589, 91.6, 362.05, 0.864e12,
          "NVIDIA L40S data sheet: FP32 91.6 TFLOPS, BF16 tensor 362.05 TFLOPS (733 with "
          "sparsity), GDDR6 48 GB at 864 GB/s"),
-    _gpu("l40", 49152, 90.5, 181.05, 0.864e12,
+    _gpu("l40", 45589, 90.5, 181.05, 0.864e12,
          "NVIDIA L40 data sheet: FP32 90.5 TFLOPS, BF16 tensor 181.05 TFLOPS (362.1 with "
          "sparsity), GDDR6 48 GB at 864 GB/s"),
     # torch sees each of an MI250X's two dies (GCDs) as a device: half the board's figures
-    _gpu("mi250x-gcd", 65536, 95.7 / 2, 383.0 / 2, 1.6e12,
+    _gpu("mi250x-gcd", 65516, 95.7 / 2, 383.0 / 2, 1.6e12,
          "AMD Instinct MI250X data sheet, per GCD (half the board): FP32 matrix 95.7 TFLOPS, "
          "BF16 383.0 TFLOPS, HBM2e 128 GB at 3.2 TB/s for the board",
          workspace=HIPBLAS_DEFAULT + HIPBLASLT),
