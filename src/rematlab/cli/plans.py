@@ -259,6 +259,7 @@ def _plan_summary(planning: Any, budget: str) -> dict:
             "budget": derived.nbytes, "budget_source": derived.how,
             "step": planning.step.describe(), "predicted_peak": chosen.predicted_peak,
             "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
+            "reserved_peak": chosen.reserved_peak,
             "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0]["time"]),
             "overhead_interval": (list(planning.overhead_interval(chosen))
                                   if planning.target is not None else None),
@@ -275,6 +276,8 @@ def _print_plan(summary: dict, budget: str | None) -> None:
     console.print(f"predicted peak {format_bytes(summary['predicted_peak'] or 0)}"
                   + (f", measured {format_bytes(summary['measured_peak'])}"
                      if summary["measured_peak"] else "")
+                  + (f", reserved on the card {format_bytes(summary['reserved_peak'])}"
+                     if summary.get("reserved_peak") else "")
                   + f" (budget {format_bytes(limit)}, floor "
                   f"{format_bytes(summary['min_peak'] or 0)});"
                   f" predicted time overhead {summary['predicted_overhead']:+.1%}"
