@@ -93,8 +93,13 @@ READING = """## Reading
   gradients (15 GiB) and fp32 master weights and moments (90 GiB) alone are 120 GiB. With LoRA
   the floor is the frozen weights plus the loss over a 128k vocabulary (logits in bf16, their
   fp32 upcast and its gradient: several GiB at 4096 tokens) plus one layer's recomputation: it
-  fits an 80 GB card with room for 7 sequences per step, and misses a 24 GB card's budget (the
-  card less the CUDA context and a 5 % margin) by about 1 GiB.
+  fits an 80 GB card with room for 6 sequences per step, and misses a 24 GB card's budget (the
+  card less the CUDA context and a 5 % margin) by about 2 GiB of reserved memory. The reserved
+  peak (the step replayed through the caching allocator) lies 1-3 % above the allocated one
+  here: each weight, gradient and optimizer-state tensor above 10 MiB sits in its own segment
+  rounded up to 2 MiB, and a block whose rest is at most 1 MiB is handed out whole. The
+  replays make the LoRA rows slower to plan (35-70 s, from 7-8 s): every candidate the
+  choice and the batch search settle on is replayed, each a whole 8B step on fake tensors.
 
 ## GPU targets: what is measured and what is assumed, figure by figure
 
@@ -106,19 +111,32 @@ No GPU has run this benchmark. For a GPU target:
   its bool mask (`Dropout.cpp`), flash or memory-efficient attention as `select_sdp_backend`
   tries them, the optimizer's `foreach` update (`_default_to_fused_or_foreach`). A GPT-style
   layer's saved bytes come within 0.3 % of Korthikanti et al.'s 34·s·b·h at three widths
-  (`activation-formula.md`). Not charged: flash backward's fp32 accumulators and expanded
-  grouped-query key/value gradients, the memory-efficient kernel's workspace, cuDNN
-  convolution workspaces; the layer norms' statistics are counted in bf16 where CUDA keeps
+  (`activation-formula.md`). The layer norms' statistics are counted in bf16 where CUDA keeps
   them in fp32.
-- **cuBLAS workspace: cited.** 32 MiB on Hopper, about 8 MiB before, from ATen's
-  `CUBLAS_WORKSPACE_CONFIG` defaults (`CublasHandlePool.cpp`); one handle is budgeted, where
-  autograd's backward thread has its own (assumed: up to one more workspace).
-- **The caching allocator: partly modelled.** Tensors are rounded to its 512-byte blocks and
-  the weights' and gradients' segments are sized (`rematlab/preflight/allocator.py`); its
-  2 MiB small-pool and 20 MiB large segments for activations, and the reserved peak, are not:
-  the card's budget keeps a 5 % margin (at least 256 MiB) for them (assumed).
-- **Card memory: data sheet.** A data-sheet profile's memory is the card's nominal size;
-  torch reports somewhat less (an A100-80GB shows about 79.2 GiB to `mem_get_info`). A
+- **Kernels' scratch: derived from their sources.** Flash attention's backward allocates
+  fp32 `softmax_d` and `dq_accum` (sequence rounded to 128, head size to 32 or 64) and, under
+  grouped-query attention, key and value gradients at the query's heads (`flash_api.cpp`);
+  the memory-efficient kernel's backward a `delta` and an fp32 accumulator workspace
+  (`attention_backward.cu`, `kernel_backward.h`; one key split assumed, the heuristic's choice
+  where a staging area is needed). Charged at the op (`rematlab/preflight/kernels.py`; tests
+  compute them by hand). Not charged: cuDNN's convolution workspaces (whatever the first
+  heuristic engine asks that the allocator can give, `Conv_v8.cpp`: no source bounds it),
+  which `gpu_check.sh` measures.
+- **BLAS workspaces: cited.** Per handle and stream, `CublasHandlePool.cpp`'s defaults: cuBLAS
+  32 MiB on Hopper, 8 MiB + 128 KiB before; cuBLASLt 1 MiB; hipBLAS 32 MiB (128 MiB on MI300)
+  and hipBLASLt 76 MiB. Two handles are resident, the caller's thread and autograd's device
+  thread, each handed out as the allocator hands a fresh segment (33 MiB takes 34 MiB).
+- **The caching allocator: modelled, reserved peak stated.** Tensors are rounded to its
+  512-byte blocks; a predicted GPU plan's whole step is replayed through the allocator's rules
+  (`rematlab/preflight/caching.py`, from `CUDACachingAllocator.cpp`: pools, segment sizes,
+  best fit, splitting, merging, release on a full card) and `choose` holds the *reserved* peak
+  to the budget (`Plan.reserved_peak`, `Planning.card`). Not modelled: `expandable_segments`
+  and other `PYTORCH_CUDA_ALLOC_CONF` settings, several streams (NCCL's). The card's budget
+  keeps a 5 % margin (at least 256 MiB, assumed) for what the replay does not see.
+- **Card memory: as torch reports it**, from published logs of torch on each card
+  (`get_device_properties().total_memory` or an out-of-memory message's total capacity: an
+  H100 80GB HBM3 is 81,090 MiB to torch, an A100-SXM4-80GB 79.14 GiB); the L40 and the
+  MI300X, for which none was found, are taken as the L40S and the nominal 192 GiB. A
   calibrated `cuda` target reads `mem_get_info`.
 - **CUDA context: assumed**, 512 MiB (400-600 MiB as `nvidia-smi` shows a process that has run
   a training step on CUDA 12 with lazy loading); `scripts/gpu_check.sh` measures it on the day
@@ -131,8 +149,12 @@ No GPU has run this benchmark. For a GPU target:
   (`rematlab/preflight/gpu_calibrate.py`).
 - **Per-op overhead: assumed** 3 / 5 / 10 µs of dispatch and launch, overlapped with the
   kernels (a step takes the longer of the two); calibrated from a chain of tiny kernels.
-- **Checkpointing's own cost: 0 on a data-sheet target** (not modelled); measured on a
-  calibrated one (an MLP block's step checkpointed, less the plain step and one forward).
+- **Checkpointing's own cost: assumed on a data-sheet target, measured on a calibrated
+  one.** Host work per checkpointed region, 0.05 / 0.2 / 0.4 ms (0.2 ms measured on this CPU:
+  `.venv/bin/python benchmarks/checkpoint_host.py` gave a median of 202 µs, quartiles
+  202-204 µs, over 15 rounds of 200 calls), overlapped with the recomputed kernels as
+  launches are: it costs only what the host falls behind the GPU. A calibrated target
+  measures an MLP block's step checkpointed, less the plain step and one forward.
 """
 
 
@@ -225,12 +247,13 @@ def _cell(planning: Planning, budget: int, bound: int) -> str:
     try:
         chosen = planning.choose(budget)
     except InfeasibleBudgetError:
-        return (f"cannot fit: floor {format_bytes(planning.floor)}; weights + gradients + "
-                f"optimizer state alone {format_bytes(bound)}")
+        return (f"cannot fit: floor {format_bytes(planning.floor_budget())} reserved; weights"
+                f" + gradients + optimizer state alone {format_bytes(bound)}")
     low, high = planning.overhead_interval(chosen)
     plain = simulate(none_plan(chosen.n_blocks), planning.costs)[1]
     layers = sum(1 for i in chosen.items if not isinstance(i, int))
-    return (f"{layers} layers checkpointed, {format_bytes(chosen.predicted_peak)}, "
+    return (f"{layers} layers checkpointed, {format_bytes(chosen.predicted_peak)} (reserved "
+            f"{format_bytes(chosen.reserved_peak or 0)}), "
             f"{overhead(chosen.predicted_time, plain):+.1%} ({low:+.1%}..{high:+.1%})")
 
 
@@ -256,7 +279,9 @@ def part_two() -> list[str]:
             wall = time.perf_counter() - t0
             cells[3] = f"{format_bytes(card)}: {cells[3]}"
             rows.append(f"| {setting} | {name} ({format_bytes(PROFILES[name].memory)}) | "
-                        f"{format_bytes(planning.floor)} | {format_bytes(planning.full)} | "
+                        f"{format_bytes(planning.floor)} (reserved "
+                        f"{format_bytes(planning.floor_budget())}) | "
+                        f"{format_bytes(planning.full)} | "
                         + " | ".join(cells) + f" | {batches} | {wall:.0f} s | "
                         f"{format_bytes(_hwm())} |")
             print(rows[-1], flush=True)
@@ -289,9 +314,11 @@ def main() -> None:
         "## Llama-3-8B-shaped, planned for GPUs from this 2-core CPU",
         "",
         "bf16 weights, sequence 4096, batch 1, AdamW with fp32 master weights and moments "
-        "(`mixed-adamw`, 12 bytes per trainable parameter). Budgets are what the step may "
-        "allocate (`torch.cuda.max_memory_allocated`); the card's own budget (`auto`) leaves "
-        "out the CUDA context and a 5 % margin. Overheads are predicted step time over "
+        "(`mixed-adamw`, 12 bytes per trainable parameter). Budgets hold the step's "
+        "*reserved* peak (`torch.cuda.max_memory_reserved`: its whole step replayed through "
+        "the caching allocator) and its simulated allocated peak with a 1 % margin; each "
+        "plan shows both. The card's own budget (`auto`) leaves out the CUDA context and a "
+        "5 % margin. Overheads are predicted step time over "
         "keeping everything, with the interval at the roofline's slow and fast ends.",
         "",
         *llama,
