@@ -30,6 +30,7 @@ from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.distributed.group import world_size
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
+from rematlab.planning.compiled import FRACTIONS, CompiledCandidates, choose_compiled
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.reserve import CardMemory, card_memory
@@ -41,6 +42,7 @@ from rematlab.plans.solver import Solution, solve
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import compiling
 from rematlab.remat.chain import profile_chain
+from rematlab.remat.compiled_budget import settings
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.structure import Structure, structure
 
@@ -68,6 +70,7 @@ class Planning:
     step: Step  # the user's training step every cost and measurement is of
     target: Target | None = None  # predicted for this device (`rematlab.preflight`)
     ranks: RankEngine | None = None  # one rank of the step's layout (`planning.ranks`)
+    compiled: CompiledCandidates | None = None  # compiled: measured candidates (`compiled`)
     _measured: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -86,7 +89,9 @@ class Planning:
             return max(with_margin(self.floor), self._reserved(self.solution.frontier[0]) or 0)
         if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
             return self._measure_cached(self.solution.frontier[0])
-        return max(self.floor, self._measure_cached(self.solution.frontier[0]))
+        floor = max(self.floor, self._measure_cached(self.solution.frontier[0]))
+        lowest = self.compiled.floor() if self.compiled is not None else None
+        return floor if lowest is None else min(floor, lowest)
 
 
     @property
@@ -132,18 +137,35 @@ class Planning:
         frontier = self.solution.frontier
         pool = [frontier[0], *(p for p in frontier[1:]
                                if (p.predicted_peak or 0) <= limit * (1 + tolerance))]
-        if not self.verify:  # a predicted plan keeps a margin free: it is not measured
-            top = room(limit) if self.target is not None else limit
-            skip_above = None  # after a miss, down by the overshoot
-            for candidate in reversed([p for p in frontier if (p.predicted_peak or 0) <= top]):
-                if (skip_above is not None and (candidate.predicted_peak or 0) > skip_above
-                        and candidate is not frontier[0]):
-                    continue
-                reserved = self._reserved(candidate)  # on a GPU target, the card's
-                if reserved is None or reserved <= limit:
-                    return replace(self._named(candidate, name, limit), reserved_peak=reserved)
-                skip_above = (candidate.predicted_peak or 0) - (reserved - limit)
-            raise infeasible(limit, self.floor_budget())
+        if not self.verify:
+            return self._predicted(limit, name)
+        chosen = self._verified(pool, limit, name)
+        if self.compiled is not None:  # the fastest measured compiled candidate
+            picked = choose_compiled(self.compiled, chosen, limit)
+            if picked is not None:
+                return replace(self._named(picked[0], name, limit), measured_peak=picked[1])
+        elif chosen is not None:
+            return chosen
+        raise infeasible(limit, self.floor_budget())
+
+    def _predicted(self, limit: int, name: str) -> Plan:
+        """A predicted plan keeps a margin free, since it is not measured; on a GPU target
+        its reserved peak on the card fits too (stepping down by the overshoot)."""
+        top = room(limit) if self.target is not None else limit
+        frontier = self.solution.frontier
+        skip_above = None
+        for candidate in reversed([p for p in frontier if (p.predicted_peak or 0) <= top]):
+            if (skip_above is not None and (candidate.predicted_peak or 0) > skip_above
+                    and candidate is not frontier[0]):
+                continue
+            reserved = self._reserved(candidate)
+            if reserved is None or reserved <= limit:
+                return replace(self._named(candidate, name, limit), reserved_peak=reserved)
+            skip_above = (candidate.predicted_peak or 0) - (reserved - limit)
+        raise infeasible(limit, self.floor_budget())
+
+    def _verified(self, pool: list[Plan], limit: int, name: str) -> Plan | None:
+        """The first of `pool` (fastest first) whose measured peak fits; None if none."""
         skip_above = None  # after many misses, jump down by the overshoot (never past the floor)
         tried = 0
         for candidate in reversed(pool):
@@ -157,7 +179,7 @@ class Planning:
             tried += 0 if known else 1
             if tried >= _MAX_CORRECTIONS:
                 skip_above = (candidate.predicted_peak or 0) - (measured - limit)
-        raise infeasible(limit, self.floor_budget())
+        return None
 
     @property
     def unconstrained(self) -> Plan:
@@ -176,12 +198,17 @@ class Planning:
 
     def _named(self, chosen: Plan, name: str, limit: int | None) -> Plan:
         return replace(chosen, name=name, budget=limit, compiled=self.compile,
-                       step=self.step.to_dict())
+                       step=self.step.to_dict(),
+                       compile_settings=settings(chosen.fraction) if self.compile else None)
 
     def _measure_cached(self, chosen: Plan) -> int:
         key = chosen.describe()
         if key not in self._measured:
-            self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
+            if self.compiled is not None:  # kept compiled, for the candidates' timing
+                peak = self.compiled.peak(chosen)
+                self._measured[key] = peak if peak is not None else 1 << 62
+            else:
+                self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
         return self._measured[key]
 
     def rank(self, chosen: Plan) -> RankPeak:
@@ -258,6 +285,7 @@ def prepare(
     compile: bool = False,
     ops: bool = False,
     step: Step | None = None,
+    fractions: tuple[float, ...] = FRACTIONS,
 ) -> Planning:
     """Profile and solve once (see `plan` for the arguments)."""
     check_batch(example_inputs)
@@ -316,8 +344,11 @@ def prepare(
     if user_step.layout is not None:
         costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)
     solution = solve(costs, layers=st.kind == "layers")
-    return Planning(model, st, batch, costs, solution, verify, compile, user_step,
-                    ranks=engine)
+    planning = Planning(model, st, batch, costs, solution, verify, compile, user_step,
+                        ranks=engine)
+    if compile:  # torch.compile's own budget as candidates, each measured (`compiled`)
+        planning.compiled = CompiledCandidates(planning, tuple(fractions))
+    return planning
 
 
 def plan(

@@ -191,6 +191,11 @@ class Plan:
     reserved_peak: int | None = None
     compiled: bool = False  # costs and peak are for running it under torch.compile
     step: dict | None = None  # the user's step it was made for (`rematlab.Step.to_dict`)
+    # compiled: torch.compile's activation memory budget for the planned forward's graph
+    # (None: the partitioner's own), and the settings its peak was measured under
+    # (`rematlab.remat.compiled_budget`), which `apply` insists on
+    fraction: float | None = None
+    compile_settings: dict | None = None
 
     def __post_init__(self) -> None:
         validate_items(self.items, 0, self.n_blocks)
@@ -201,8 +206,10 @@ class Plan:
         return [it for it in self.items if isinstance(it, Segment)]
 
     def describe(self) -> str:
-        """Compact text form: `[0-3]{0,1,[2-3]} 4 5` (brackets are checkpointed segments)."""
-        return " ".join(_describe(it) for it in self.items)
+        """Compact text form: `[0-3]{0,1,[2-3]} 4 5` (brackets are checkpointed segments),
+        then torch.compile's memory budget if the plan sets one (`@ fraction 0.5`)."""
+        text = " ".join(_describe(it) for it in self.items)
+        return text if self.fraction is None else f"{text} @ fraction {self.fraction:g}"
 
     def to_json(self) -> str:
         return json.dumps(
@@ -218,6 +225,8 @@ class Plan:
                 "reserved_peak": self.reserved_peak,
                 "compiled": self.compiled,
                 "step": self.step,
+                "fraction": self.fraction,
+                "compile_settings": self.compile_settings,
             },
             indent=2,
         )
@@ -244,11 +253,21 @@ class Plan:
                 reserved_peak=data.get("reserved_peak"),
                 compiled=bool(data.get("compiled", False)),
                 step=data.get("step") if isinstance(data.get("step"), dict) else None,
+                fraction=(None if data.get("fraction") is None
+                          else _fraction(data["fraction"])),
+                compile_settings=(data.get("compile_settings")
+                                  if isinstance(data.get("compile_settings"), dict) else None),
             )
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError,
                 json.JSONDecodeError) as exc:
             raise ConfigError(f"not a rematlab plan: {type(exc).__name__}: "
                               f"{str(exc)[:200]}") from None
+
+
+def _fraction(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"fraction {value!r} is not a memory budget in [0, 1]")
+    return float(value)
 
 
 def _describe(item: Item) -> str:

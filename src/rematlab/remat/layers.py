@@ -47,6 +47,7 @@ from rematlab.core.batch import Batch, detached, first_float, tensors, to_device
 from rematlab.core.steps import runs_on
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
+from rematlab.remat import compiled_budget
 from rematlab.remat.ops import run_option
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 
@@ -265,7 +266,8 @@ class _PlannedForward:
         previous, _TRACED = _TRACED, self.runner
         try:
             if torch.compiler.is_compiling():
-                return type(self.model).forward(self.model, *args, **kwargs)
+                with compiled_budget.region(self.runner.plan.fraction):
+                    return type(self.model).forward(self.model, *args, **kwargs)
             with self.runner.active():
                 return type(self.model).forward(self.model, *args, **kwargs)
         finally:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from rematlab.exceptions import ConfigError
 from rematlab.plans import fixed as plans
 from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
+from rematlab.remat import compiled_budget
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
@@ -133,7 +134,8 @@ class RematChain(nn.Module):
         self.hooks: list[Callable[[torch.Tensor], None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self.plan.items, x)
+        with compiled_budget.region(self.plan.fraction):
+            return self._run(self.plan.items, x)
 
     def _run(self, items: tuple[Item, ...], x: torch.Tensor) -> torch.Tensor:
         for item in items:
@@ -197,6 +199,8 @@ def apply(
     st = structure(model, example_input, blocks)
     strat = strategy if isinstance(strategy, Plan) else (
         parse(strategy) if isinstance(strategy, str) else strategy)
+    if isinstance(strat, Plan):  # a compiled plan holds under its measured settings only
+        compiled_budget.check(strat.fraction, strat.compile_settings)
     if st.kind == "layers":
         chosen = layer_plan(strat, st, model, example_input)
         return attach(model, LayerRemat(st.blocks, chosen))
