@@ -4,12 +4,15 @@ plan with a fraction inside its kept blocks (`rematlab.remat.compiled_budget`).
 
 A fraction is not a byte budget (its peak is not monotone in it, and it can exceed its own
 limit), so every candidate's compiled step is run: its peak measured as a compiled plan's is
-(`verify.step_peak` with the allocator's view: the tracker cannot see into compiled code),
-and the candidates that fit timed side by side in interleaved rounds (`core.timer.Timer` with
-several works, medians), so that the fastest is chosen from one comparison. Each candidate
-compiles once per `Planning`; its compiled step is kept for later choices, so a larger budget
-only adds candidates. A candidate dynamo or the partitioner refuses (a region that does not
-cover a graph, a graph break inside it) is dropped with a warning, not the plan refused.
+(`verify.step_peak` with the allocator's view: the tracker cannot see into compiled code), and
+its step time as a ratio to the eager step keeping everything, timed side by side in
+interleaved rounds (`core.timer.Timer`, medians and the ratio's spread). Candidates are
+compared by those ratios, each measured against the same eager reference. Each candidate is
+compiled and measured alone, after `torch._dynamo.reset()`: dynamo would hand a model's second
+planned copy the first one's graph (`compiled_budget`), so two compiled candidates cannot share
+a timing run. Measurements are cached per `Planning`, so a larger budget only adds
+candidates. A candidate dynamo or the partitioner refuses is dropped with a warning, not the
+plan refused.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from rematlab.core.batch import one_tensor, tensors
@@ -39,14 +43,17 @@ if TYPE_CHECKING:
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COMBINED = (0.5, 0.0)  # tried inside the kept blocks of the plan just faster than the choice
-ROUNDS = 5  # interleaved timing rounds of the candidates that fit
+ROUNDS = 5  # interleaved rounds of a candidate against the eager reference
 
 
-@dataclass
-class _Run:
-    owner: nn.Module
-    run: Callable
+@dataclass(frozen=True)
+class Measured:
+    """A compiled candidate's step: its peak, and its time over the eager step keeping
+    everything (median of interleaved rounds) with the ratio's relative spread."""
+
     peak: int
+    ratio: float
+    spread: float
 
 
 @dataclass
@@ -55,7 +62,7 @@ class CompiledCandidates:
 
     planning: Planning
     fractions: tuple[float, ...] = FRACTIONS
-    runs: dict[str, _Run | None] = field(default_factory=dict)  # None: refused by torch
+    results: dict[str, Measured | None] = field(default_factory=dict)  # None: refused
     compile_seconds: float = 0.0
 
     def fraction_plans(self) -> list[Plan]:
@@ -64,13 +71,16 @@ class CompiledCandidates:
         return [replace(none_plan(n), fraction=None if f == global_fraction() else f)
                 for f in self.fractions]
 
-    def peak(self, plan: Plan) -> int | None:
-        """`plan`'s measured compiled step peak; None where torch refused to compile it."""
+    def measured(self, plan: Plan) -> Measured | None:
+        """`plan`'s compiled step, measured once; None where torch refused to compile it."""
         key = plan.describe()
-        if key not in self.runs:
-            self.runs[key] = self._compile(plan)
-        run = self.runs[key]
-        return None if run is None else run.peak
+        if key not in self.results:
+            self.results[key] = self._measure(plan)
+        return self.results[key]
+
+    def peak(self, plan: Plan) -> int | None:
+        got = self.measured(plan)
+        return None if got is None else got.peak
 
     def fits(self, plans: list[Plan], limit: int) -> list[Plan]:
         return [p for p in plans if (self.peak(p) or limit + 1) <= limit]
@@ -80,63 +90,59 @@ class CompiledCandidates:
         peaks = [p for p in map(self.peak, self.fraction_plans()) if p is not None]
         return min(peaks) if peaks else None
 
-    def fastest(self, plans: list[Plan]) -> tuple[Plan, dict[str, float]]:
-        """The fastest of `plans` (each compiled and measured), timed side by side: its
-        plan and every candidate's median seconds."""
-        planning = self.planning
-        batch = planning.batch if planning.structure.kind == "layers" \
-            else one_tensor(planning.batch)
-        works = {p.describe(): self._work(self.runs[p.describe()], batch) for p in plans}
-        timer = profile_timer(next(tensors(planning.batch)).device)
-        with watched("the compiled candidates' step times"):
-            timing = timer.run(works, ROUNDS, warmup=1)
-        medians = {name: timing.median(name) for name in works}
-        return min(plans, key=lambda p: medians[p.describe()]), medians
-
-    def _work(self, run: _Run, batch: object) -> Callable:
-        step = self.planning.step
-        return timed(lambda: one_pass(run.owner, run.run, batch, step))
-
-    def _compile(self, plan: Plan) -> _Run | None:
-        """`plan`'s model compiled, warmed (forward and backward compiled outside any
-        measurement) and its step peak measured."""
+    def _measure(self, plan: Plan) -> Measured | None:
         planning = self.planning
         st, step = planning.structure, planning.step
         chosen = replace(plan, compiled=True)
         if st.kind == "layers":
             owner: nn.Module = planning.model
-            planned = attach(owner, LayerRemat(st.blocks, chosen))
+            planned, eager = attach(owner, LayerRemat(st.blocks, chosen)), owner
             batch = planning.batch
         else:
             planned = owner = RematChain(st.blocks, chosen)
+            eager = RematChain(st.blocks, none_plan(len(st.blocks)))
             batch = one_tensor(planning.batch)
         t0 = time.perf_counter()
+        torch._dynamo.reset()  # its own graphs, not another candidate's (module docstring)
         try:
             with compiling():
                 run = compiled(planned)
                 with preserved(owner):
                     step.micro_batch(run, batch)
                 peak = step_peak(owner, run, batch, planning.costs, step, tensors_seen=False)
-        except Exception as exc:  # dynamo, the partitioner, a region torch refuses
+        except Exception as exc:  # dynamo, the partitioner, a budget torch refuses
             warnings.warn(f"compiled candidate {plan.describe()!r} dropped: torch.compile "
                           f"refused it ({type(exc).__name__}: {str(exc)[:160]})",
                           RuntimeWarning, stacklevel=2)
             return None
         finally:
             self.compile_seconds += time.perf_counter() - t0
-        return _Run(owner, run, peak)
+        ratio, spread = self._ratio(owner, run, eager, batch)
+        return Measured(peak, ratio, spread)
+
+    def _ratio(self, owner: nn.Module, run: Callable, eager: Callable, batch: object
+               ) -> tuple[float, float]:
+        step = self.planning.step
+        works = {"compiled": timed(lambda: one_pass(owner, run, batch, step)),
+                 "eager": timed(lambda: one_pass(owner, eager, batch, step))}
+        timer = profile_timer(next(tensors(self.planning.batch)).device)
+        with watched("a compiled candidate's step time"), preserved(owner):
+            timing = timer.run(works, ROUNDS, warmup=1)
+        ratio = timing.median("compiled") / timing.median("eager")
+        spread = max(timing.iqr(name) / timing.median(name) for name in works)
+        return ratio, spread
 
 
 def choose_compiled(candidates: CompiledCandidates, block: Plan | None, limit: int
                     ) -> tuple[Plan, int] | None:
     """The fastest measured candidate within `limit` (module docstring): `block`, rematlab's
-    verified compiled plan for it (None: none fits), the fractions alone, and the frontier
-    plan just faster than `block` under the first of `COMBINED` that fits. Returns the plan
-    (its fraction and compile settings set) and its measured peak; None when nothing fits."""
-    planning = candidates.planning
-    frontier = planning.solution.frontier
+    verified compiled plan for it (None: none fits; measured through `candidates` by the
+    planner), the fractions alone, and the frontier plan just faster than `block` under the
+    first of `COMBINED` that fits. Returns the plan (its fraction and compile settings set)
+    and its measured peak; None when nothing fits."""
+    frontier = candidates.planning.solution.frontier
     pool = candidates.fits(candidates.fraction_plans(), limit)
-    if block is not None:  # measured through `candidates` by the planner's verification
+    if block is not None:
         pool.append(block)
     at = next((i for i, p in enumerate(frontier) if block is not None
                and p.items == block.items), -1)
@@ -146,9 +152,9 @@ def choose_compiled(candidates: CompiledCandidates, block: Plan | None, limit: i
             if combined:
                 pool += combined
                 break
-    pool = [p for p in pool if candidates.peak(p) is not None]
+    pool = [p for p in pool if candidates.measured(p) is not None]
     if not pool:
         return None
-    best, _ = candidates.fastest(pool)
+    best = min(pool, key=lambda p: candidates.measured(p).ratio)
     return (replace(best, compile_settings=settings(best.fraction)),
             candidates.peak(best) or 0)

@@ -260,14 +260,16 @@ class _PlannedForward:
         return (_PlannedForward, (self.model, self.runner))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return compiled_budget.budgeted(self.runner.plan.fraction, self._run, *args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         global _TRACED
         if not torch.compiler.is_compiling():
             refuse_double(self.model, self.runner.blocks)
         previous, _TRACED = _TRACED, self.runner
         try:
             if torch.compiler.is_compiling():
-                with compiled_budget.region(self.runner.plan.fraction):
-                    return type(self.model).forward(self.model, *args, **kwargs)
+                return type(self.model).forward(self.model, *args, **kwargs)
             with self.runner.active():
                 return type(self.model).forward(self.model, *args, **kwargs)
         finally:

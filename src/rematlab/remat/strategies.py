@@ -134,8 +134,7 @@ class RematChain(nn.Module):
         self.hooks: list[Callable[[torch.Tensor], None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with compiled_budget.region(self.plan.fraction):
-            return self._run(self.plan.items, x)
+        return compiled_budget.budgeted(self.plan.fraction, self._run, self.plan.items, x)
 
     def _run(self, items: tuple[Item, ...], x: torch.Tensor) -> torch.Tensor:
         for item in items:
