@@ -63,6 +63,7 @@ class CompiledCandidates:
     planning: Planning
     fractions: tuple[float, ...] = FRACTIONS
     results: dict[str, Measured | None] = field(default_factory=dict)  # None: refused
+    plans: dict[str, Plan] = field(default_factory=dict)  # what was measured, by key
     compile_seconds: float = 0.0
 
     def fraction_plans(self) -> list[Plan]:
@@ -76,6 +77,7 @@ class CompiledCandidates:
         key = plan.describe()
         if key not in self.results:
             self.results[key] = self._measure(plan)
+            self.plans[key] = plan
         return self.results[key]
 
     def peak(self, plan: Plan) -> int | None:
@@ -137,22 +139,20 @@ def choose_compiled(candidates: CompiledCandidates, block: Plan | None, limit: i
                     ) -> tuple[Plan, int] | None:
     """The fastest measured candidate within `limit` (module docstring): `block`, rematlab's
     verified compiled plan for it (None: none fits; measured through `candidates` by the
-    planner), the fractions alone, and the frontier plan just faster than `block` under the
-    first of `COMBINED` that fits. Returns the plan (its fraction and compile settings set)
-    and its measured peak; None when nothing fits."""
+    planner), the fractions alone, the frontier plan just faster than `block` under the first
+    of `COMBINED` (among the fractions) that fits, and any candidate an earlier choice
+    measured that fits. Returns the plan (its fraction and compile settings set) and its
+    measured peak; None when nothing fits."""
     frontier = candidates.planning.solution.frontier
-    pool = candidates.fits(candidates.fraction_plans(), limit)
-    if block is not None:
-        pool.append(block)
+    candidates.fits(candidates.fraction_plans(), limit)  # measured, kept among the plans
     at = next((i for i, p in enumerate(frontier) if block is not None
                and p.items == block.items), -1)
     if at + 1 < len(frontier):
-        for f in COMBINED:
-            combined = candidates.fits([replace(frontier[at + 1], fraction=f)], limit)
-            if combined:
-                pool += combined
+        for f in (f for f in COMBINED if f in candidates.fractions):
+            if candidates.fits([replace(frontier[at + 1], fraction=f)], limit):
                 break
-    pool = [p for p in pool if candidates.measured(p) is not None]
+    # every candidate measured so far that fits: a larger budget only adds candidates
+    pool = candidates.fits(list(candidates.plans.values()), limit)
     if not pool:
         return None
     best = min(pool, key=lambda p: candidates.measured(p).ratio)
