@@ -21,29 +21,41 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from rematlab.core.batch import one_tensor, tensors
+from rematlab.core.recipe import Step
 from rematlab.core.steps import preserved
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan
-from rematlab.plans.plan import Plan
+from rematlab.plans.plan import ChainCosts, Plan
+from rematlab.plans.solver import Solution
 from rematlab.remat.block import compiled, compiling
 from rematlab.remat.compiled_budget import global_fraction, settings
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.outer import one_pass
 from rematlab.remat.strategies import RematChain
-
-if TYPE_CHECKING:
-    from rematlab.planning.planner import Planning
+from rematlab.remat.structure import Structure
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COMBINED = (0.5, 0.0)  # tried inside the kept blocks of the plan just faster than the choice
 ROUNDS = 5  # interleaved rounds of a candidate against the eager reference
+
+
+class Planned(Protocol):
+    """What a compiled candidate is measured from: a `Planning`'s model, structure, batch,
+    step, costs and solution."""
+
+    model: nn.Module
+    structure: Structure
+    batch: Any
+    step: Step
+    costs: ChainCosts
+    solution: Solution
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,7 @@ class Measured:
 class CompiledCandidates:
     """The measured candidates of one compiled `Planning` (module docstring)."""
 
-    planning: Planning
+    planning: Planned
     fractions: tuple[float, ...] = FRACTIONS
     results: dict[str, Measured | None] = field(default_factory=dict)  # None: refused
     plans: dict[str, Plan] = field(default_factory=dict)  # what was measured, by key
