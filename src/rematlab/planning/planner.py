@@ -80,9 +80,10 @@ class Planning:
 
     def floor_budget(self) -> int:
         """The smallest budget `choose` accepts: the floor plan's measured peak when
-        verifying (the simulated floor can be below it), the simulated floor and its margin
-        when predicted for a target, else the simulated floor; what
-        `InfeasibleBudgetError.min_peak` reports."""
+        verifying (the simulated floor can be below it; compiled, the smallest measured
+        candidate's, torch.compile's fractions included), the simulated floor and its margin
+        when predicted for a target (on a GPU target, at least the floor plan's reserved
+        peak), else the simulated floor; what `InfeasibleBudgetError.min_peak` reports."""
         if not self.verify:
             if self.target is None:
                 return self.floor
@@ -129,7 +130,9 @@ class Planning:
         fastest first, and the first whose *measured* peak fits wins. Measurements are cached
         on this object, so a larger budget only adds candidates: its plan is never slower.
         When the simulation underestimates a plan, the next-best plan is taken, not the
-        floor."""
+        floor. Compiled, the choice is the fastest measured candidate that fits, torch.compile's
+        own memory budgets among them (`rematlab.planning.compiled`); predicted for a GPU
+        target, the plan's reserved peak on the card fits too (`card`)."""
         limit = self.budget(budget).nbytes
         name = "per-layer optimal" if self.structure.kind == "layers" else "optimal"
         tolerance = (COMPILED_TOLERANCE if self.compile else
@@ -220,10 +223,15 @@ class Planning:
                               "step=Step(layout=FSDP(...) or DDP(...))")
         return self.ranks.peak(chosen)
 
+    @property
+    def _on_card(self) -> bool:
+        """Predicted for a GPU target on one device: plans have a reserved peak (`card`)."""
+        return self.target is not None and self.target.kind == "cuda" and self.ranks is None
+
     def _reserved(self, chosen: Plan) -> int | None:
         """A predicted GPU plan's reserved peak (`card`, replayed once per plan); None for
         any other planning."""
-        if self.target is None or self.target.kind != "cuda" or self.ranks is not None:
+        if not self._on_card:
             return None
         key = "reserved " + chosen.describe()
         if key not in self._measured:
@@ -233,7 +241,7 @@ class Planning:
     def card(self, chosen: Plan) -> CardMemory:
         """`chosen`'s allocated and reserved peaks on a predicted GPU target's card: its whole
         step replayed through the caching allocator (`rematlab.planning.reserve`)."""
-        if self.target is None or self.target.kind != "cuda" or self.ranks is not None:
+        if not self._on_card:
             raise ConfigError("reserved memory is predicted for a GPU target on one device: "
                               "prepare(..., predict=True, target='h100-80gb', ...)")
         return card_memory(self.model, self.structure, self.batch, self.step, chosen,
@@ -374,7 +382,9 @@ def plan(
     "h100-80gb", "cpu" for this machine, a profile: `rematlab.preflight.targets`), for a
     model and batch that may live on the meta device; `verify=False` skips the
     measurement; `compile` plans for `torch.compile(apply(model, plan))` (chains and
-    models that run their own layer loop); `ops` also offers each block op-level options
+    models that run their own layer loop), with torch.compile's `activation_memory_budget`
+    at each of `fractions` as candidates too, each measured (`rematlab.planning.compiled`;
+    dynamo's caches are reset while they are); `ops` also offers each block op-level options
     (save some ops' outputs, recompute the rest: `rematlab.remat.ops`), one per kept block.
     Raises `InfeasibleBudgetError` carrying the smallest achievable peak, which is itself a
     feasible budget for the same profile: keep `prepare(...)`'s `Planning` to choose again
