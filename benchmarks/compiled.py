@@ -46,6 +46,23 @@ from rematlab.remat.strategies import apply
 from tests import realzoo
 
 STEPS = 5
+READING = """## Reading
+
+- **The choice and the fractions.** Where a fraction fits, the choice is never slower than
+  the best of them: the fractions are among its candidates, measured the same way (the
+  same run timed twice would differ by about the spreads shown). Below every fraction's peak
+  (one to two budgets for GPT-2, BERT and the ResNet), rematlab's compiled plans still fit.
+  A fraction is not a byte budget: the lowest fraction's peak is rarely fraction 0's.
+- **Mixed candidates.** At the ResNet's second budget the choice is a rematlab plan with
+  fraction 0.5 in its kept blocks (1.09x; 1.07x in a quick run), faster than the block plan
+  alone (1.39x) where no fraction alone fits.
+- **Compiled is not always faster here.** VGG-16's eager step keeping everything (195 MiB,
+  about 1.0x) beats every compiled candidate (1.18x and above: inductor's CPU convolutions),
+  and its compiled floor (203 MiB) lies above that eager peak; the eager op-level column
+  shows it. The compiled choice answers "I compile; what fits?", not "should I compile?".
+- **Not built yet:** op-level options under compile (issue 38, part 1): the compiled
+  candidates are block plans and fractions.
+"""
 
 
 def _models(quick: bool) -> dict:
@@ -175,6 +192,7 @@ def main() -> None:
         "",
         *summaries,
         "",
+        READING,
     ])
     if args.out:
         args.out.write_text(text)
