@@ -46,6 +46,7 @@ from rematlab.remat.strategies import apply
 from tests import realzoo
 
 STEPS = 5
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # more than `prepare`'s default, for the column
 READING = """## Reading
 
 - **The choice and the fractions.** Where a fraction fits, the choice is never slower than
@@ -102,7 +103,7 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], list[str]]:
     model, batch = make()
     model.train()
     t0 = time.perf_counter()
-    mixed = prepare(model, batch, compile=True)
+    mixed = prepare(model, batch, compile=True, fractions=FRACTIONS)
     blocks = prepare(model, batch, compile=True, fractions=())
     eager = prepare(model, batch, ops=True)
     fractions = mixed.compiled.fraction_plans()

@@ -2,6 +2,8 @@
 is profiled and verified compiled, and `torch.compile(apply(model, plan))` trains with the
 compiled plain model's gradients."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,15 +29,18 @@ def test_a_compiled_per_layer_plan_keeps_its_budget_and_the_compiled_gradients(n
     for m in model.modules():  # dropout off: compiled and eager draw different masks
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    planning = rematlab.prepare(model, batch, compile=True)
+    planning = rematlab.prepare(model, batch, compile=True, fractions=())  # layer plans only
     unconstrained = planning.choose(planning.full * 2)
     assert not unconstrained.segments
     chosen = planning.choose(unconstrained.measured_peak - 1)  # below the compiled plain step
     assert chosen.compiled and chosen.segments  # at least one layer checkpointed
     assert chosen.measured_peak <= chosen.budget  # the compiled step's peak, measured
+    budgeted = replace(chosen, fraction=0.5, compile_settings=None)  # torch.compile's too
     with compiling():  # past dynamo's recompile limit the model would silently run eager
         want = _grads(torch.compile(model), model, batch)
-        got = _grads(torch.compile(rematlab.apply(model, chosen)), model, batch)
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        for plan in (chosen, budgeted):
+            torch._dynamo.reset()  # a planned copy's own graph (`remat.compiled_budget`)
+            got = _grads(torch.compile(rematlab.apply(model, plan)), model, batch)
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
