@@ -78,7 +78,11 @@ def check(device: torch.device, targets: list[str], small: bool) -> list[dict]:
             t0 = time.perf_counter()
             predicted = prepare(model, batch, predict=True, target=target, step=step)
             plan_s = time.perf_counter() - t0
-            low, high = predicted.floor_budget(), int(predicted.full * 1.02)
+            top = predicted.full  # the unconstrained plan, reserved on a card (above it)
+            if predicted.target.kind == "cuda":
+                top = max(top, predicted.card(predicted.unconstrained).reserved)
+            low = predicted.floor_budget()
+            high = max(low, int(top * 1.02))
             for fraction in FRACTIONS:
                 budget = int(low + fraction * (high - low))
                 chosen = predicted.choose(budget)

@@ -58,8 +58,8 @@ def frozen_batchnorm(modules: list[nn.modules.batchnorm._BatchNorm]) -> Iterator
     is while saving the same tensors as the original forward (checkpoint checks that count);
     `num_batches_tracked` is put back afterwards.
     """
-    saved = [(m.momentum, None if m.num_batches_tracked is None else
-              int(m.num_batches_tracked)) for m in modules]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else  # a copy, not a number:
+              m.num_batches_tracked.detach().clone()) for m in modules]  # fake ones have none
     try:
         for m in modules:
             m.momentum = 0.0
@@ -68,7 +68,7 @@ def frozen_batchnorm(modules: list[nn.modules.batchnorm._BatchNorm]) -> Iterator
         for m, (momentum, tracked) in zip(modules, saved, strict=True):
             m.momentum = momentum
             if tracked is not None:
-                m.num_batches_tracked.fill_(tracked)
+                m.num_batches_tracked.copy_(tracked)
 
 
 def recompute_contexts(stats: RecomputeStats, modules: list[nn.Module]
