@@ -86,7 +86,6 @@ CASES = [
     pytest.param("plan", ["--model", "mlp3", "--budget", "1GiB", "--device", "cuda"], "cuda",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
     ("plan", ["--model", "mlp3", "--budget", "1GiB", "--compile", "--predict"], "--compile"),
-    ("plan", ["--model", "mlp3", "--budget", "1GiB", "--ops", "--compile"], "--ops plans"),
     ("plan", ["--model", "mlp3", "--budget", "1GiB", "--out", "{d}/afile/plan.json"],
      "not a directory"),
     ("plan", ["--model", "mlp3", "--budget", "1GiB", "--optimizer", "lion"], "optimizer"),

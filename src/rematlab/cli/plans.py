@@ -153,8 +153,6 @@ def plan_cmd(
 
     if compile and predict:
         raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
-    if ops and compile:
-        raise ConfigError("--ops plans are profiled eager: not with --compile")
     if target is not None and not predict:
         raise ConfigError("--target is for plans made without running: add --predict")
     wanted = _budget_list(budget, budgets)

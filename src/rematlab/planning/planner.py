@@ -298,9 +298,6 @@ def prepare(
     """Profile and solve once (see `plan` for the arguments)."""
     check_batch(example_inputs)
     user_step = as_step(step, optimizer, loss_fn)
-    if ops and compile:
-        raise ConfigError("op-level plans (ops=True) are profiled eager: not with "
-                          "compile=True")
     if compile and predict:
         raise ConfigError("compiled costs must be measured: compile=True cannot be predicted")
     if target is not None and not predict:

@@ -35,7 +35,7 @@ from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession, is_fake
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import compiling, profile_block
-from rematlab.remat.ops import block_options
+from rematlab.remat.compiled_menu import block_menu
 from rematlab.remat.tracing import meta_copy
 
 
@@ -65,10 +65,9 @@ def profile_chain(
     predicted = meta or target is not None
     if predicted and compile:
         raise ConfigError("compiled costs must be measured: they cannot be predicted")
-    if ops and (meta or compile):
-        raise ConfigError("op-level options are profiled eager: not on the meta device (use "
-                          "a target), not under torch.compile (plan whole blocks with "
-                          "compile=True)")
+    if ops and meta:
+        raise ConfigError("op-level options are profiled: not on the meta device (use a "
+                          "target)")
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
     run, x = _runnable(blocks, example_input, device, session, meta)
     unit = target.unit if target is not None else unit
@@ -154,9 +153,9 @@ def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, repeats: i
                                                      compile=True).items()
                       if k in COMPILED_KEYS})
     if ops:
-        with preserved(block):
-            r["options"] = block_options(block, fwd, x_in, r, repeats=repeats, unit=unit,
-                                         target=target)
+        with preserved(block), compiling() if compile else contextlib.nullcontext():
+            r["options"] = block_menu(block, fwd, x_in, r, repeats=repeats, unit=unit,
+                                      target=target, compile=compile)
     return r
 
 

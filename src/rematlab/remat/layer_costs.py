@@ -25,8 +25,9 @@ from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import profile_block
 from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
+from rematlab.remat.compiled_menu import block_menu
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
-from rematlab.remat.ops import OPTION_REPEATS, block_options
+from rematlab.remat.ops import OPTION_REPEATS
 from rematlab.remat.outer import one_pass, outer_costs, output_tensor, step_time
 from rematlab.remat.shorten import shortened, stretched
 
@@ -151,7 +152,7 @@ def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
         calls = capture(model, batch, layers)
     rows = [_profile_layer(layer, host_call, device, repeated, how)
             for layer, host_call in zip(layers, calls, strict=True)]
-    in_step = how.ops and how.target is None and how.repeats > 0
+    in_step = how.ops and how.target is None and how.repeats > 0 and not how.compile
     # with op-level menus the all-kept step is timed side by side with the all-option one
     # (`_options_in_step`), so the outer costs do not time it again
     outer = outer_costs(model, batch, layers, how.step, 0 if in_step else how.repeats,
@@ -249,8 +250,9 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
                                 compile=how.compile, target=how.target, unit=how.unit)
         if how.ops:
             with preserved(layer):
-                row["options"] = block_options(layer, run, x_in, row, others=lc.others(),
-                                               repeats=how.repeats, target=how.target,
-                                               unit=how.unit)
+                row["options"] = block_menu(layer, run, x_in, row, others=lc.others(),
+                                            repeats=how.repeats, target=how.target,
+                                            unit=how.unit, compile=how.compile,
+                                            where=type(layer).__name__)
         repeated.remember(layer, inputs, row)
     return dict(row)

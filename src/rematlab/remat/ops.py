@@ -23,7 +23,6 @@ every random op must run again for the replayed stream to line up.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import statistics
 import time
 import weakref
@@ -36,16 +35,16 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
 from rematlab.core.steps import preserved, unit_loss
 from rematlab.core.timer import time_block
-from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
 from rematlab.preflight.targets import Target, backward_interval, interval
+from rematlab.remat.policy import SavePolicy, compiled_context_fn, fingerprint, metadata
 from rematlab.remat.recompute import RecomputeStats, selective_contexts
 
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -78,12 +77,6 @@ class OpCost:
     seconds: float
 
 
-def fingerprint(names: list[str]) -> str:
-    """A short hash of an op sequence: a plan's options name ops by occurrence, so they are
-    only valid for the sequence they were made for."""
-    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
-
-
 class _Recorder(TorchDispatchMode):
     """Records every aten op a forward runs: name, outputs, flags, FLOPs and seconds (the
     device synchronised around it; with a `target`, the op priced on its roofline)."""
@@ -96,7 +89,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _metadata(func):
+        if metadata(func):
             return func(*args, **kwargs)
         self.sync()
         t0 = time.perf_counter()
@@ -112,13 +105,6 @@ class _Recorder(TorchDispatchMode):
         self.rows.append((str(func), outs, func.is_view, func._schema.is_mutable,
                           torch.Tag.nondeterministic_seeded in func.tags, flops, seconds))
         return out
-
-
-def _metadata(func) -> bool:
-    """An op that reads metadata (`prim.device`, which fake tensors dispatch whenever Python
-    asks for `.device`): no output to save, and how often it runs depends on the code that
-    asks, so it is no part of an op sequence."""
-    return func.namespace == "prim"
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -189,9 +175,10 @@ def describe_saves(saves: tuple[tuple[str, int], ...]) -> str:
     return "save " + shown + (f" +{len(counts) - 4} more" if len(counts) > 4 else "")
 
 
-def save_sets(ops: list[OpCost]) -> list[tuple[tuple[str, int], ...]]:
-    """The menu's save sets, distinct, none equal to keeping what autograd keeps (the block
-    kept plainly) or empty (the block checkpointed whole):
+def save_sets(ops: list[OpCost], compiled: bool = False) -> list[tuple[tuple[str, int], ...]]:
+    """The menu's save sets, distinct, none empty (the block checkpointed whole) nor, eager,
+    equal to keeping what autograd keeps (the block kept plainly; compiled, the partitioner
+    keeps other tensors, and saving exactly those outputs is an option of its own):
     - save matmuls: every matmul's output is kept, even one autograd does not keep (a
       recomputed op then starts from it instead of running the matmul again), the rest is
       recomputed (torchtitan's op-level SAC saves `aten.mm` only, and recomputes every second
@@ -222,51 +209,9 @@ def save_sets(ops: list[OpCost]) -> list[tuple[tuple[str, int], ...]]:
     out: list[tuple[tuple[str, int], ...]] = []
     for chosen in sets:
         ordered = tuple(sorted(chosen, key=order.__getitem__))
-        if chosen and chosen != autograd and ordered not in out:
+        if chosen and (compiled or chosen != autograd) and ordered not in out:
             out.append(ordered)
     return out
-
-
-class SavePolicy:
-    """The `policy_fn` of `create_selective_checkpoint_contexts` for one option: the ops in
-    `saves` must be saved, every other op is recomputed. Occurrences are counted separately
-    in the forward and in its recomputation; the forward's op sequence is kept so that
-    `check` can refuse a plan made for other code."""
-
-    def __init__(self, saves: tuple[tuple[str, int], ...], ops: str, where: str) -> None:
-        self.saves = frozenset(saves)
-        self.ops = ops
-        self.where = where
-        self.seen: list[str] = []
-        self._counts: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
-
-    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if _metadata(func):
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        name = str(func)
-        counts = self._counts[ctx.is_recompute]
-        key = (name, counts[name])
-        counts[name] += 1
-        if not ctx.is_recompute:
-            self.seen.append(name)
-        return (CheckpointPolicy.MUST_SAVE if key in self.saves
-                else CheckpointPolicy.PREFER_RECOMPUTE)
-
-    def check(self) -> None:
-        """Refuse the plan when this forward ran other ops than the option was made for, or
-        when the option saves an op (or an occurrence of one) the forward never ran: an
-        edited plan would otherwise silently save nothing there and recompute it all."""
-        if self.ops and self.seen and fingerprint(self.seen) != self.ops:
-            raise ConfigError(
-                f"the plan is stale: {self.where} ran {len(self.seen)} ops that do not match "
-                "the op sequence its option was made for (the model or its input changed); "
-                "plan again")
-        ran = self._counts[False]
-        missing = sorted(f"{name}#{k}" for name, k in self.saves if k >= ran[name])
-        if self.seen and missing:
-            raise ConfigError(f"the plan saves ops {self.where} does not run "
-                              f"({', '.join(missing[:4])}): it was edited or made for other "
-                              "code; plan again")
 
 
 def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
@@ -279,25 +224,34 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
     block is a fake twin: bytes as measured, times the target's roofline."""
     ops = profile_ops(module, run, x_in, others, repeats, target)
     names = [o.name for o in ops]
+    menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
+                         unit, target) for saves in save_sets(ops)]
+    # an option runs the same forward, and in backward the block's backward plus the ops it
+    # recomputes: never less than that, whatever a short timing says (noise would otherwise
+    # buy memory for nothing)
+    return smaller([replace(o, bwd_time=max(o.bwd_time, plain["bwd_time"]
+                                            + _recomputed(ops, o.saves))) for o in menu],
+                   plain, unit)
+
+
+def smaller(menu: list[Option], plain: dict, unit: int) -> list[Option]:
+    """`menu` named apart (plans name options: two summaries alike get a number), each no
+    faster than the block kept plainly (`plain`: its `profile_block` row), and without the
+    options that hold no less than that block."""
     x, out = plain["x"], rounded(plain["out"].untyped_storage().nbytes(), unit)
 
     def held(saved: int, keeps_input: bool, keeps_output: bool) -> int:
         return saved + x * keeps_input + out * keeps_output
 
     limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
-    menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
-                         unit, target) for saves in save_sets(ops)]
     seen: Counter[str] = Counter()
-    for i, o in enumerate(menu):  # plans name options: two summaries alike get a number
+    named = []
+    for o in menu:
         seen[o.name] += 1
-        if seen[o.name] > 1:
-            menu[i] = replace(o, name=f"{o.name} #{seen[o.name]}")
-    # an option runs the same forward, and in backward the block's backward plus the ops it
-    # recomputes: never less than that, whatever a short timing says (noise would otherwise
-    # buy memory for nothing)
-    return [replace(o, fwd_time=max(o.fwd_time, plain["fwd_time"]),
-                    bwd_time=max(o.bwd_time, plain["bwd_time"] + _recomputed(ops, o.saves)))
-            for o in menu if held(o.saved, o.keeps_input, o.keeps_output) < limit]
+        named.append(replace(o, name=o.name if seen[o.name] == 1 else f"{o.name} #{seen[o.name]}",
+                             fwd_time=max(o.fwd_time, plain["fwd_time"]),
+                             bwd_time=max(o.bwd_time, plain["bwd_time"])))
+    return [o for o in named if held(o.saved, o.keeps_input, o.keeps_output) < limit]
 
 
 def _recomputed(ops: list[OpCost], saves: tuple[tuple[str, int], ...]) -> float:
@@ -358,13 +312,13 @@ def run_option(item: Selective, module: nn.Module, fn: Callable, stats: Recomput
                where: str, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` — `module`'s forward — under `item`'s option: selective
     checkpointing with rematlab's recompute context, the op sequence checked against the
-    plan's. The one way options run (chains, models' own loops, profiling). Eager only:
-    under torch.compile a clear error, not a silent plain run (compiled plans are whole-block
-    plans, `plan(..., compile=True)`)."""
+    plan's. The one way options run (chains, models' own loops, profiling). Under
+    torch.compile the region is traced with a fresh policy per trace, checked as the traced
+    forward ends (`rematlab.remat.policy`); recomputation is then the partitioner's, in the
+    compiled backward, which rematlab's recompute clock does not see."""
     if torch.compiler.is_compiling():
-        raise ConfigError(f"block {item.block} runs an op-level option ({item.option}), which "
-                          "does not run under torch.compile; plan with compile=True for a "
-                          "whole-block plan of the compiled model")
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs,
+                          context_fn=compiled_context_fn(item.saves, item.ops, where))
     policy = SavePolicy(item.saves, item.ops, where)
     out = checkpoint(fn, *args, use_reentrant=False, **kwargs,
                      context_fn=selective_contexts(stats, [module], policy))

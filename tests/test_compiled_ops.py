@@ -1,0 +1,112 @@
+"""Op-level options under torch.compile (issue 38): the menu is made from the compiled trace,
+options run as selective-checkpoint regions of the compiled graph, their gradients are the
+compiled plain model's, the budget holds on the compiled step, and an option made for other
+code is refused while the region is traced."""
+
+import pytest
+import torch
+from torch import nn
+
+import rematlab
+from rematlab.planning.planner import prepare
+from rematlab.plans.fixed import none_plan
+from rematlab.plans.plan import Plan, Selective
+
+
+def _chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256),
+                                         nn.Linear(256, 64), nn.Tanh()) for _ in range(2)),
+                         nn.Linear(64, 10)).double()
+
+
+X = torch.randn(128, 64, dtype=torch.float64)
+
+
+def _step(model: nn.Module, run) -> tuple[list[torch.Tensor], int]:
+    """Gradients of a step through `run`, and the bytes autograd saved for it."""
+    model.zero_grad(set_to_none=True)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nn.functional.cross_entropy(run(X), torch.arange(128) % 10).backward()
+    return [p.grad.clone() for p in model.parameters()], sum(sizes)
+
+
+def _compiled(model: nn.Module):
+    torch._dynamo.reset()
+    return torch.compile(model, dynamic=False)
+
+
+@pytest.fixture(scope="module")
+def planning():
+    return prepare(_chain(), X, compile=True, ops=True, fractions=())
+
+
+def test_compiled_options_keep_the_compiled_gradients(planning):
+    menus = planning.costs.options
+    assert menus[0] and menus[1] and not menus[2]  # the head has no op to recompute
+    n = planning.costs.n
+    owner = nn.Sequential(*planning.structure.blocks)
+    expected, saved = _step(owner, _compiled(rematlab.apply(owner, none_plan(n))))
+    for pick in (0, -1):  # each block's first and last option
+        items = tuple(Selective.of(i, m[pick]) if m else i for i, m in enumerate(menus))
+        plan = Plan(n, items, compiled=True)
+        grads, fewer = _step(owner, _compiled(rematlab.apply(owner, plan)))
+        assert fewer < saved  # the options save less than the plain compiled graph
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_compiled_menu_names_the_traced_ops_and_the_budget_holds(planning):
+    """The options' op fingerprints are of the compiled trace; the chosen plan's compiled
+    peak, measured, is within the budget at the floor and above it."""
+    option = planning.costs.options[0][0]
+    assert all(name.startswith("aten.") for name, _ in option.saves)
+    floor = planning.floor_budget()
+    full = planning.choose(planning.full * 2)
+    for budget in (floor, (floor + full.measured_peak) // 2):
+        chosen = planning.choose(budget)
+        assert chosen.compiled and chosen.measured_peak <= budget
+        assert planning.compiled.peak(chosen) == chosen.measured_peak
+    assert floor < planning.compiled.peak(none_plan(planning.costs.n))
+
+
+def test_an_option_made_for_other_code_is_refused_under_compile(planning):
+    menus = planning.costs.options
+    owner = nn.Sequential(*planning.structure.blocks)
+    n = planning.costs.n
+    stale = Selective(0, "stale", menus[0][0].saves, "0" * 16)
+    edited = Selective(0, "edited", (("aten.addmm.default", 7),), menus[0][0].ops)
+    for item, says in ((stale, "plan is stale"), (edited, "saves ops")):
+        plan = Plan(n, (item, *range(1, n)), compiled=True)
+        with pytest.raises(Exception, match=says):
+            _compiled(rematlab.apply(owner, plan))(X)
+
+
+class _Wavering(nn.Module):
+    """A block whose forward runs other ops on every other call (as a Python-side random
+    layer drop would): no option made from one trace holds for the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(64, 64).double()
+        self.flip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.flip = not self.flip
+        y = self.inner(x)
+        return torch.tanh(y) * 2 if self.flip else torch.sigmoid(y) + 1
+
+
+def test_an_option_torch_compile_cannot_run_is_dropped_with_a_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Wavering(), nn.Linear(64, 10).double())
+    with pytest.warns(RuntimeWarning, match="dropped from the compiled menu"):
+        dropped = prepare(model, X, compile=True, ops=True, fractions=())
+    assert not dropped.costs.options[0]
+    chosen = dropped.choose(dropped.floor_budget())  # the plan goes on without them
+    assert chosen.measured_peak <= dropped.floor_budget()
