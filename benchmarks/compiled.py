@@ -7,8 +7,10 @@ VGG-16 (CIFAR scale), at five budgets from the compiled floor (`floor_budget()` 
 `prepare(..., compile=True)`: the smallest measured compiled peak, fractions included) to the
 largest measured compiled peak of its candidates, four columns:
 
-- **rematlab's compiled choice**: `prepare(..., compile=True).choose(budget)`, the fastest
-  measured candidate (`rematlab.planning.compiled`);
+- **rematlab's compiled choice**: `prepare(..., compile=True, ops=True).choose(budget)`, the
+  fastest measured candidate (`rematlab.planning.compiled`): plans whose blocks may run
+  op-level options as torch.compile traces them (`rematlab.remat.compiled_menu`), fractions,
+  and plans with a fraction;
 - **the best fitting fraction alone**: the plain model compiled under each of
   `activation_memory_budget` 0, 0.25, 0.5, 0.75 and 1, the fastest whose measured peak fits;
 - **rematlab's compiled block plan**: the same with no fraction candidates
@@ -36,13 +38,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rematlab.core import hostmem
-from rematlab.core.timer import profile_timer, timed
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.measurement import zoo
-from rematlab.planning.planner import Planning, prepare
-from rematlab.remat.outer import one_pass
-from rematlab.remat.strategies import apply
+from rematlab.planning.compiled import ratio_to_eager
+from rematlab.planning.planner import prepare
+from rematlab.planning.verify import planned_step
 from tests import realzoo
 
 STEPS = 5
@@ -80,21 +81,6 @@ def _models(quick: bool) -> dict:
             "vgg16": vgg16}
 
 
-def _eager_ratio(model, planning: Planning, plan, rounds: int) -> tuple[float, float]:
-    """The eager op-level plan's step over the eager step keeping everything, side by side."""
-    step, batch = planning.step, planning.batch
-    run = apply(model, plan) if planning.structure.kind == "layers" else apply(
-        torch.nn.Sequential(*planning.structure.blocks), plan)
-    owner = model if planning.structure.kind == "layers" else run
-    eager = model if planning.structure.kind == "layers" else torch.nn.Sequential(
-        *planning.structure.blocks)
-    works = {"plan": timed(lambda: one_pass(owner, run, batch, step)),
-             "eager": timed(lambda: one_pass(owner, eager, batch, step))}
-    timing = profile_timer(next(model.parameters()).device).run(works, rounds, warmup=1)
-    spread = max(timing.iqr(n) / timing.median(n) for n in works)
-    return timing.median("plan") / timing.median("eager"), spread
-
-
 def _cell(plan, peak: int, ratio: float, spread: float) -> str:
     return f"`{plan.describe()}` {format_bytes(peak)}, {ratio:.3f}x ±{spread:.0%}"
 
@@ -103,7 +89,7 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], list[str]]:
     model, batch = make()
     model.train()
     t0 = time.perf_counter()
-    mixed = prepare(model, batch, compile=True, fractions=FRACTIONS)
+    mixed = prepare(model, batch, compile=True, ops=True, fractions=FRACTIONS)
     blocks = prepare(model, batch, compile=True, fractions=())
     eager = prepare(model, batch, ops=True)
     fractions = mixed.compiled.fraction_plans()
@@ -128,7 +114,8 @@ def bench(name: str, make, rounds: int) -> tuple[list[str], list[str]]:
             block_cell = "does not fit"
         try:
             op = eager.choose(budget)
-            ratio, spread = _eager_ratio(model, eager, op, rounds)
+            ratio, spread = ratio_to_eager(planned_step(eager.structure, model, op,
+                                                        eager.batch), eager.step, rounds)
             op_cell = _cell(op, op.measured_peak, ratio, spread)
         except InfeasibleBudgetError:
             op_cell = "does not fit"

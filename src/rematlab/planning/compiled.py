@@ -4,41 +4,37 @@ plan with a fraction inside its kept blocks (`rematlab.remat.compiled_budget`).
 
 A fraction is not a byte budget (its peak is not monotone in it, and it can exceed its own
 limit), so every candidate's compiled step is run: its peak measured as a compiled plan's is
-(`verify.step_peak` with the allocator's view: the tracker cannot see into compiled code), and
-its step time as a ratio to the eager step keeping everything, timed side by side in
-interleaved rounds (`core.timer.Timer`, medians and the ratio's spread). Candidates are
+(`verify.measure_planned` with the allocator's view: the tracker cannot see into compiled
+code), and its step time as a ratio to the eager step keeping everything, timed side by side
+in interleaved rounds (`core.timer.Timer`, medians and the ratio's spread). Candidates are
 compared by those ratios, each measured against the same eager reference. Each candidate is
 compiled and measured alone, after `torch._dynamo.reset()`: dynamo would hand a model's second
 planned copy the first one's graph (`compiled_budget`), so two compiled candidates cannot share
 a timing run. Measurements are cached per `Planning`, so a larger budget only adds
-candidates. A candidate dynamo or the partitioner refuses is dropped with a warning, not the
-plan refused.
+candidates; a candidate is timed only once a budget it fits asks for it. A candidate dynamo or
+the partitioner refuses is dropped with a warning, not the plan refused.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from rematlab.core.batch import one_tensor, tensors
+from rematlab.core.batch import tensors
 from rematlab.core.recipe import Step
 from rematlab.core.steps import preserved
 from rematlab.core.timer import profile_timer, timed, watched
-from rematlab.planning.verify import step_peak
+from rematlab.planning.verify import PlannedStep, measure_planned, planned_step
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.solver import Solution
-from rematlab.remat.block import compiled, compiling
 from rematlab.remat.compiled_budget import global_fraction, settings
-from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.outer import one_pass
-from rematlab.remat.strategies import RematChain
 from rematlab.remat.structure import Structure
 
 FRACTIONS = (0.0, 0.5, 1.0)  # each costs a compile and a timing run: a few, 0 and 1 among them
@@ -70,11 +66,15 @@ class Measured:
 
 @dataclass
 class CompiledCandidates:
-    """The measured candidates of one compiled `Planning` (module docstring)."""
+    """The measured candidates of one compiled `Planning` (module docstring). A candidate's
+    peak is measured when it is first asked for; its time only when it fits the budget it
+    was asked for (its graph is then still compiled), or when a later budget asks for it (it
+    is compiled again): a candidate that fits no budget asked is never timed."""
 
     planning: Planned
     fractions: tuple[float, ...] = FRACTIONS
-    results: dict[str, Measured | None] = field(default_factory=dict)  # None: refused
+    peaks: dict[str, int | None] = field(default_factory=dict)  # None: torch refused it
+    timings: dict[str, tuple[float, float]] = field(default_factory=dict)  # ratio, spread
     plans: dict[str, Plan] = field(default_factory=dict)  # what was measured, by key
     compile_seconds: float = 0.0
 
@@ -84,46 +84,42 @@ class CompiledCandidates:
         return [replace(none_plan(n), fraction=None if f == global_fraction() else f)
                 for f in self.fractions]
 
-    def measured(self, plan: Plan) -> Measured | None:
-        """`plan`'s compiled step, measured once; None where torch refused to compile it."""
+    def peak(self, plan: Plan, limit: int | None = None) -> int | None:
+        """`plan`'s measured compiled peak (None where torch refused to compile it), timed
+        as well when it fits `limit`."""
         key = plan.describe()
-        if key not in self.results:
-            self.results[key] = self._measure(plan)
+        if key not in self.peaks:
             self.plans[key] = plan
-        return self.results[key]
+            self.peaks[key] = self._measure(plan, limit)
+        return self.peaks[key]
 
-    def peak(self, plan: Plan) -> int | None:
-        got = self.measured(plan)
-        return None if got is None else got.peak
+    def measured(self, plan: Plan) -> Measured | None:
+        """`plan`'s compiled step, its peak and its time over the eager step; None where torch
+        refused to compile it."""
+        peak = self.peak(plan)
+        if peak is None:
+            return None
+        if plan.describe() not in self.timings:
+            self._measure(plan, peak)
+        return Measured(peak, *self.timings[plan.describe()])
 
     def fits(self, plans: list[Plan], limit: int) -> list[Plan]:
-        return [p for p in plans if (self.peak(p) or limit + 1) <= limit]
+        return [p for p in plans if (self.peak(p, limit) or limit + 1) <= limit]
 
     def floor(self) -> int | None:
         """The smallest peak of the fraction candidates (None when none compiled)."""
         peaks = [p for p in map(self.peak, self.fraction_plans()) if p is not None]
         return min(peaks) if peaks else None
 
-    def _measure(self, plan: Plan) -> Measured | None:
+    def _measure(self, plan: Plan, limit: int | None) -> int | None:
+        """Compile `plan` alone, measure its peak, and time it if it fits `limit`."""
         planning = self.planning
-        st, step = planning.structure, planning.step
-        chosen = replace(plan, compiled=True)
-        if st.kind == "layers":
-            owner: nn.Module = planning.model
-            planned, eager = attach(owner, LayerRemat(st.blocks, chosen)), owner
-            batch = planning.batch
-        else:
-            planned = owner = RematChain(st.blocks, chosen)
-            eager = RematChain(st.blocks, none_plan(len(st.blocks)))
-            batch = one_tensor(planning.batch)
+        planned = planned_step(planning.structure, planning.model, replace(plan, compiled=True),
+                               planning.batch)
         t0 = time.perf_counter()
         torch._dynamo.reset()  # its own graphs, not another candidate's (module docstring)
         try:
-            with compiling():
-                run = compiled(planned)
-                with preserved(owner):
-                    step.micro_batch(run, batch)
-                peak = step_peak(owner, run, batch, planning.costs, step, tensors_seen=False)
+            peak = measure_planned(planned, True, planning.costs, planning.step)
         except Exception as exc:  # dynamo, the partitioner, a budget torch refuses
             warnings.warn(f"compiled candidate {plan.describe()!r} dropped: torch.compile "
                           f"refused it ({type(exc).__name__}: {str(exc)[:160]})",
@@ -131,20 +127,24 @@ class CompiledCandidates:
             return None
         finally:
             self.compile_seconds += time.perf_counter() - t0
-        ratio, spread = self._ratio(owner, run, eager, batch)
-        return Measured(peak, ratio, spread)
+        if limit is not None and peak <= limit:
+            self.timings[plan.describe()] = ratio_to_eager(planned, planning.step)
+        return peak
 
-    def _ratio(self, owner: nn.Module, run: Callable, eager: Callable, batch: object
-               ) -> tuple[float, float]:
-        step = self.planning.step
-        works = {"compiled": timed(lambda: one_pass(owner, run, batch, step)),
-                 "eager": timed(lambda: one_pass(owner, eager, batch, step))}
-        timer = profile_timer(next(tensors(self.planning.batch)).device)
-        with watched("a compiled candidate's step time"), preserved(owner):
-            timing = timer.run(works, ROUNDS, warmup=1)
-        ratio = timing.median("compiled") / timing.median("eager")
-        spread = max(timing.iqr(name) / timing.median(name) for name in works)
-        return ratio, spread
+
+def ratio_to_eager(planned: PlannedStep, step: Step, rounds: int = ROUNDS
+                   ) -> tuple[float, float]:
+    """`planned`'s step time over its eager step keeping everything: medians of interleaved
+    rounds of the one timer, and the ratio's relative spread (the larger IQR/median)."""
+    owner, batch = planned.owner, planned.batch
+    works = {"planned": timed(lambda: one_pass(owner, planned.run, batch, step)),
+             "eager": timed(lambda: one_pass(owner, planned.eager, batch, step))}
+    timer = profile_timer(next(tensors(batch)).device)
+    with watched("a planned step's time against eager"), preserved(owner):
+        timing = timer.run(works, rounds, warmup=1)
+    ratio = timing.median("planned") / timing.median("eager")
+    spread = max(timing.iqr(name) / timing.median(name) for name in works)
+    return ratio, spread
 
 
 def choose_compiled(candidates: CompiledCandidates, block: Plan | None, limit: int

@@ -34,7 +34,7 @@ from rematlab.planning.compiled import FRACTIONS, CompiledCandidates, choose_com
 from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.reserve import CardMemory, card_memory
-from rematlab.planning.verify import measure_layers_peak, measure_peak, strategy_table
+from rematlab.planning.verify import measure_planned, planned_step, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.simulate import overhead, simulate
@@ -176,7 +176,7 @@ class Planning:
                     and candidate is not pool[0]):
                 continue
             known = candidate.describe() in self._measured
-            measured = self._measure_cached(candidate)
+            measured = self._measure_cached(candidate, limit)
             if measured <= limit:
                 return replace(self._named(candidate, name, limit), measured_peak=measured)
             tried += 0 if known else 1
@@ -204,11 +204,11 @@ class Planning:
                        step=self.step.to_dict(),
                        compile_settings=settings(chosen.fraction) if self.compile else None)
 
-    def _measure_cached(self, chosen: Plan) -> int:
+    def _measure_cached(self, chosen: Plan, limit: int | None = None) -> int:
         key = chosen.describe()
         if key not in self._measured:
-            if self.compiled is not None:  # kept compiled, for the candidates' timing
-                peak = self.compiled.peak(chosen)
+            if self.compiled is not None:  # a candidate too, timed when it fits `limit`
+                peak = self.compiled.peak(chosen, limit)
                 self._measured[key] = peak if peak is not None else 1 << 62
             else:
                 self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
@@ -252,10 +252,8 @@ class Planning:
         whole step, sharded (`RankEngine`: measured, or on a fake group when predicted)."""
         if self.ranks is not None:
             return self.ranks.peak(chosen).peak
-        if self.structure.kind == "layers":
-            return measure_layers_peak(self.model, self.structure.blocks, chosen, self.batch,
-                                       self.costs, self.step)
-        return measure_peak(self.structure.blocks, chosen, self.batch, self.costs, self.step)
+        planned = planned_step(self.structure, self.model, chosen, self.batch)
+        return measure_planned(planned, chosen.compiled, self.costs, self.step)
 
     def baselines(self, budget: int | None = None) -> list[dict]:
         """Simulated peak and time of the fixed strategies this model can run."""

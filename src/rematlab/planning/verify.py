@@ -5,11 +5,12 @@ a plan is shown against."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rematlab.core.batch import tensors
+from rematlab.core.batch import one_tensor, tensors
 from rematlab.core.probes import StepMemory, one_phase, peak_of
 from rematlab.core.recipe import Step
 from rematlab.core.steps import preserved
@@ -26,37 +27,44 @@ from rematlab.plans.simulate import overhead, simulate
 from rematlab.remat.block import compiled, compiling
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.strategies import RematChain
+from rematlab.remat.structure import Structure
 
 
-def measure_peak(chain: list[nn.Module], chosen: Plan, x: torch.Tensor,
-                 costs: ChainCosts, step: Step | None = None) -> int:
-    """Measured peak of the user's training step (`Step.backward_passes`; rematlab's own
-    by default) under `chosen` (compiled if `chosen.compiled`) with the optimizer state's
-    bytes allocated, then the optimizer step's peak from `costs` (which was measured on
-    tensors shaped like the parameters). Parameters, buffers and RNG are restored."""
-    step = step or Step()
-    remat = RematChain(chain, chosen)
-    run = compiled(remat) if chosen.compiled else remat
+@dataclass(frozen=True)
+class PlannedStep:
+    """A plan installed for measuring: `run` is what the user's step calls (compiled when
+    the plan is: `torch.compile(apply(model, plan))`), `owner` holds the parameters and
+    buffers, `eager` runs the same blocks keeping everything, uncompiled (the reference a
+    compiled candidate is timed against), `batch` is what `run` takes."""
+
+    owner: nn.Module
+    run: Callable
+    eager: Callable
+    batch: object
+
+
+def planned_step(st: Structure, model: nn.Module, chosen: Plan, batch: object) -> PlannedStep:
+    """`chosen` on `model`'s blocks: a `RematChain` over a chain's blocks (on its one input
+    tensor), or installed on the layers of a model that runs its own loop."""
+    if st.kind == "layers":
+        twin = attach(model, LayerRemat(st.blocks, chosen))
+        return PlannedStep(model, compiled(twin) if chosen.compiled else twin, model, batch)
+    remat = RematChain(st.blocks, chosen)
+    return PlannedStep(remat, compiled(remat) if chosen.compiled else remat,
+                       RematChain(st.blocks, none_plan(len(st.blocks))), one_tensor(batch))
+
+
+def measure_planned(planned: PlannedStep, compiled_run: bool, costs: ChainCosts, step: Step
+                    ) -> int:
+    """The measured peak of the user's step (`Step.backward_passes`; `step_peak`) through
+    `planned`; compiled, after a step that compiles forward and backward outside the
+    measurement (dynamo's recompile limit lifted)."""
     with compiling():
-        if chosen.compiled:  # compile forward and backward outside the measurement
-            with preserved(remat):
-                step.micro_batch(run, x)
-        return step_peak(remat, run, x, costs, step, tensors_seen=not chosen.compiled)
-
-
-def measure_layers_peak(model: nn.Module, layers: list[nn.Module], chosen: Plan,
-                        batch: object, costs: ChainCosts, step: Step | None = None) -> int:
-    """Measured peak of the user's step with `chosen` installed on the model's layers (the
-    whole model compiled if `chosen.compiled`, as `torch.compile(apply(model, plan))`)."""
-    step = step or Step()
-    twin = attach(model, LayerRemat(layers, chosen))
-    if not chosen.compiled:
-        return step_peak(model, twin, batch, costs, step)
-    run = compiled(twin)
-    with compiling():
-        with preserved(model):  # compile forward and backward outside the measurement
-            step.micro_batch(run, batch)
-        return step_peak(model, run, batch, costs, step, tensors_seen=False)
+        if compiled_run:
+            with preserved(planned.owner):
+                step.micro_batch(planned.run, planned.batch)
+        return step_peak(planned.owner, planned.run, planned.batch, costs, step,
+                         tensors_seen=not compiled_run)
 
 
 def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
