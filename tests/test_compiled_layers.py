@@ -44,3 +44,32 @@ def test_a_compiled_per_layer_plan_keeps_its_budget_and_the_compiled_gradients(n
             assert len(got) == len(want)
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_op_level_options_of_a_layer_loop_keep_the_compiled_gradients():
+    """Llama's layers under op-level options made from the compiled trace (issue 38): each
+    layer under its first option compiled gives the compiled plain model's gradients, and a
+    plan chosen below the compiled plain step keeps its budget on the compiled step."""
+    from rematlab.plans.plan import Plan, Selective
+
+    torch._dynamo.reset()
+    model, batch = realzoo.llama(batch=4, seq=64, layers=2)
+    model.train()
+    planning = rematlab.prepare(model, batch, compile=True, ops=True, fractions=())
+    menus = planning.costs.options
+    assert all(menus[1:-1])  # every layer has a compiled option
+    assert all(name.startswith("aten.") for name, _ in menus[1][0].saves)
+    n = planning.costs.n
+    optioned = Plan(n, (0, *(Selective.of(i, menus[i][0]) for i in range(1, n - 1)), n - 1),
+                    compiled=True)
+    with compiling():
+        want = _grads(torch.compile(model), model, batch)
+        torch._dynamo.reset()
+        got = _grads(torch.compile(rematlab.apply(model, optioned)), model, batch)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    plain = planning.compiled.peak(replace(optioned, items=tuple(range(n))))
+    chosen = planning.choose(plain - 1)
+    assert chosen.measured_peak <= plain - 1

@@ -6,7 +6,7 @@ import torch
 
 import rematlab
 from rematlab.core.batch import call
-from rematlab.core.probes import CudaEventClock, WallClock
+from rematlab.core.clocks import CudaEventClock, WallClock
 from rematlab.core.steps import default_loss
 from rematlab.measurement import zoo
 from rematlab.measurement.measure import measure

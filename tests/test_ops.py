@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import rematlab
 from rematlab.core.batch import call
-from rematlab.core.probes import WallClock
+from rematlab.core.clocks import WallClock
 from rematlab.core.recipe import Step
 from rematlab.core.steps import default_loss
 from rematlab.exceptions import ConfigError

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rematlab.core.probes import Clock
+from rematlab.core.clocks import Clock
 from rematlab.core.spread import relative_spread
 
 CALIBRATION_SIZE = 256  # square fp32 matrices: ~34 MFLOP per product, no allocation

@@ -1,4 +1,5 @@
-"""Clocks and memory probes, swappable so measurement logic is testable without hardware.
+"""Memory probes, swappable so measurement logic is testable without hardware (clocks:
+`rematlab.core.clocks`).
 
 CPU memory. There is no `max_memory_allocated` on CPU, and RSS counts allocator caches and
 the interpreter. `LiveTensorTracker` counts tensor memory directly: a dispatch mode sees every
@@ -21,11 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -36,59 +36,19 @@ from torch.utils._pytree import tree_flatten
 from rematlab.exceptions import SimulatedOOM
 
 
-class Clock(Protocol):
-    """Times a region: `start()` then `stop()` returns seconds, synchronising the device."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> float: ...
-
-
-class WallClock:
-    """`time.perf_counter` around a region, synchronising CUDA first when given a device."""
-
-    method = "perf_counter"
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self._cuda = device is not None and device.type == "cuda"
-        self._t0 = 0.0
-
-    def start(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self._cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - self._t0
-
-
-class CudaEventClock:
-    """CUDA events recorded on the current stream; elapsed time after a synchronize."""
-
-    method = "cuda_events"
-
-    def __init__(self) -> None:
-        self._begin = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        self._begin.record()
-
-    def stop(self) -> float:
-        self._end.record()
-        self._end.synchronize()
-        return self._begin.elapsed_time(self._end) / 1000.0
-
-
-def clock_for(device: torch.device) -> Clock:
-    return CudaEventClock() if device.type == "cuda" else WallClock(device)
-
-
 def rounded(nbytes: int, unit: int) -> int:
     """`nbytes` rounded up to a multiple of the allocator's block size `unit`."""
     return -(-nbytes // unit) * unit
+
+
+class AllocationListener(Protocol):
+    """Told of each storage a tracker sees allocated and freed, in order, by a key that names
+    it until it is freed (`rematlab.preflight.caching` replays them through the caching
+    allocator's rules; `preflight.kernels` adds the scratch kernels ask for)."""
+
+    def alloc(self, key: Hashable, nbytes: int) -> None: ...
+
+    def free(self, key: Hashable) -> None: ...
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -97,8 +57,7 @@ class LiveTensorTracker(TorchDispatchMode):
     `cap`: raise `SimulatedOOM` as soon as live bytes exceed it (a smaller device emulated).
     `unit`: count every storage rounded up to this block size (512 on CUDA, whose caching
     allocator hands out 512-byte multiples), for predictions made on the meta device.
-    `listener`: told of each storage's allocation (`alloc(key, nbytes)`) and free
-    (`free(key)`) in order, to replay them (`rematlab.preflight.caching`).
+    `listener`: an `AllocationListener`, told of each storage's allocation and free.
     """
 
     method = "dispatch_live_storages"
@@ -111,7 +70,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
-        self.listener: Any = None
+        self.listener: AllocationListener | None = None
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Register tensors that already exist (parameters, optimizer state, inputs)."""

@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, tensors
+from rematlab.core.clocks import Clock
 from rematlab.core.layout import DDP, FSDP, check_layout
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
-from rematlab.core.probes import Clock
 from rematlab.core.steps import PHASES, LossFn, forward, is_oom
 from rematlab.exceptions import ConfigError
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from rematlab.core.clocks import Clock, clock_for
 from rematlab.core.guard import LOAD, Calibration, Evidence, Guard, HostLoad, Sample
-from rematlab.core.probes import Clock, clock_for
 from rematlab.core.spread import iqr
 
 MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough calls to last at least this long

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core.clocks import clock_for
 from rematlab.core.guard import LOAD, HostLoad
 from rematlab.core.optimizers import make_optimizer
-from rematlab.core.probes import StepMemory, clock_for, one_phase, peak_of
+from rematlab.core.probes import StepMemory, one_phase, peak_of
 from rematlab.exceptions import ConfigError
 from rematlab.gradients import peft
 from rematlab.gradients.estimators import Method, ModelLoss, estimate, trainable

@@ -13,8 +13,8 @@ import functools
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core.clocks import WallClock
 from rematlab.core.guard import CALIBRATION_FLOPS, Calibration
-from rematlab.core.probes import WallClock
 from rematlab.core.timer import MIN_REPEAT_SECONDS
 from rematlab.measurement import zoo
 from rematlab.measurement.spec import Spec

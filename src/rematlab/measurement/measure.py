@@ -36,14 +36,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematlab.core.batch import DTYPES, cast, make_example, tensors
+from rematlab.core.clocks import Clock, clock_for
 from rematlab.core.guard import MAX_WAIT_S, Guard
 from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import (
-    Clock,
     MemoryProbe,
     PhaseMarker,
     StepMemory,
-    clock_for,
     peak_of,
     storage_key,
 )

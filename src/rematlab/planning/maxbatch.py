@@ -38,8 +38,8 @@ from torch import nn
 
 from rematlab.core.batch import Batch, check_batch, resized, tensors, to_device
 from rematlab.core.checks import bounded
+from rematlab.core.clocks import Clock
 from rematlab.core.guard import Evidence
-from rematlab.core.probes import Clock
 from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn, is_oom, preserved
 from rematlab.core.timer import Timer, Timing, Turns

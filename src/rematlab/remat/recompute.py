@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from rematlab.core.probes import Clock, WallClock
+from rematlab.core.clocks import Clock, WallClock
 from rematlab.preflight.cuda_ops import reentered
 
 
