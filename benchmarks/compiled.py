@@ -50,20 +50,29 @@ STEPS = 5
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # more than `prepare`'s default, for the column
 READING = """## Reading
 
+- **Op-level options under compile.** The choice now draws on options made from the compiled
+  trace and measured compiled (`ops=True`). They pay where the block plan recomputes whole
+  layers: GPT-2 at its floor, 29.5 MiB at 1.05x where the compiled block plan needs 32.8 MiB
+  at 1.13x; the ResNet from its second budget, saving each bottleneck's three convolutions
+  and recomputing batch norm and ReLU, 24.8 MiB at 0.93x where the block plan takes 1.16x and
+  the fastest fitting fraction 1.05-1.11x; Llama's second budget, 19.8 MiB at 0.91x against
+  0.97x. GPT-2 at its top budgets: an option in one layer, 0.98x, beats fraction 0.5 (1.05x).
+  VGG-16's blocks (a convolution, a ReLU, some a pooling) got no option: saving the
+  convolution's output and recomputing the rest held no less than the block compiled
+  plainly, so the menu dropped it (no option failed to compile, in any model).
 - **The choice and the fractions.** Where a fraction fits, the choice is never slower than
-  the best of them: the fractions are among its candidates, measured the same way (the
-  same run timed twice would differ by about the spreads shown). Below every fraction's peak
-  (one to two budgets for GPT-2, BERT and the ResNet), rematlab's compiled plans still fit.
-  A fraction is not a byte budget: the lowest fraction's peak is rarely fraction 0's.
-- **Mixed candidates.** At the ResNet's second budget the choice is a rematlab plan with
-  fraction 0.5 in its kept blocks (1.09x; 1.07x in a quick run), faster than the block plan
-  alone (1.39x) where no fraction alone fits.
+  the best of them beyond the noise: the fractions are among its candidates, measured the
+  same way (the same run timed twice differs by about the spreads shown). Below every
+  fraction's peak (one to two budgets for GPT-2, BERT and the ResNet) rematlab's compiled
+  plans still fit. A fraction is not a byte budget: the lowest fraction's peak is rarely
+  fraction 0's (BERT: fraction 0 peaks at 58.7 MiB, above 0.5's 38.9 MiB).
 - **Compiled is not always faster here.** VGG-16's eager step keeping everything (195 MiB,
   about 1.0x) beats every compiled candidate (1.18x and above: inductor's CPU convolutions),
   and its compiled floor (203 MiB) lies above that eager peak; the eager op-level column
   shows it. The compiled choice answers "I compile; what fits?", not "should I compile?".
-- **Not built yet:** op-level options under compile (issue 38, part 1): the compiled
-  candidates are block plans and fractions.
+- **What it costs.** Each compiled candidate is a compile and five timing rounds, timed only
+  once a budget it fits asks for it; each option of a distinct block is a compile too. The
+  compile seconds and wall time per model are in *Against the goals*.
 """
 
 

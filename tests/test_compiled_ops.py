@@ -110,3 +110,37 @@ def test_an_option_torch_compile_cannot_run_is_dropped_with_a_warning():
     assert not dropped.costs.options[0]
     chosen = dropped.choose(dropped.floor_budget())  # the plan goes on without them
     assert chosen.measured_peak <= dropped.floor_budget()
+
+
+@pytest.mark.slow
+def test_compiled_options_around_in_place_ops_keep_the_gradients_and_buffers():
+    """A ResNet (batch norm, in-place ReLU): outputs written in place are never saved, and a
+    plan of compiled options gives the compiled plain model's gradients and running stats."""
+    from tests import realzoo
+
+    torch.manual_seed(0)
+    model, x = realzoo.resnet(batch=8, size=16)
+    model = model.double()
+    x = x.double()
+    planning = prepare(model, x, compile=True, ops=True, fractions=())
+    menus = planning.costs.options
+    assert any(menus)
+    for menu in menus:
+        for option in menu:
+            assert not any(name.split(".")[1].endswith("_") for name, _ in option.saves)
+    n = planning.costs.n
+    owner = nn.Sequential(*planning.structure.blocks)
+    plan = Plan(n, tuple(Selective.of(i, m[0]) if m else i for i, m in enumerate(menus)),
+                compiled=True)
+    results = {}
+    for name, chosen in (("plain", none_plan(n)), ("options", plan)):
+        start = {k: v.clone() for k, v in owner.state_dict().items()}
+        owner.zero_grad(set_to_none=True)
+        _compiled(rematlab.apply(owner, chosen))(x).square().mean().backward()
+        results[name] = ([p.grad.clone() for p in owner.parameters()],
+                         {k: v.clone() for k, v in owner.state_dict().items()})
+        owner.load_state_dict(start)
+    for got, want in zip(results["options"][0], results["plain"][0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    for key, want in results["plain"][1].items():
+        torch.testing.assert_close(results["options"][1][key], want, rtol=0, atol=1e-12)

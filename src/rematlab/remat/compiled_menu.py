@@ -60,9 +60,11 @@ def compiled_ops(module: nn.Module, run: Run, x_in: torch.Tensor, eager: list[Op
     if not traces:
         raise RuntimeError("torch.compile traced no checkpointed region of the block")
     rows = traces[-1]  # every trace of one region sees the same sequence
-    # traced tensors have no address; an op in place returns the tensor it wrote, and the
-    # trace keeps every output alive, so identity tells which outputs are written later
-    written = {id(t) for func, out in rows if func._schema.is_mutable for t in _tensors(out)}
+    # traced tensors have no address; torch keeps one Python object per storage, and the
+    # trace keeps every output alive: its identity tells which outputs (or views of them)
+    # an op writes in place later
+    written = {_storage(t) for func, out in rows if func._schema.is_mutable
+               for t in _tensors(out)}
     eager_of = _matched([o.name for o in eager], [str(func) for func, _ in rows])
     counts: Counter[str] = Counter()
     ops = []
@@ -75,7 +77,7 @@ def compiled_ops(module: nn.Module, run: Run, x_in: torch.Tensor, eager: list[Op
             out_bytes=sum(t.untyped_storage().nbytes() for t in outs),
             autograd_saves=like.autograd_saves if like is not None else False,
             view=func.is_view,
-            inplace=func._schema.is_mutable or any(id(t) in written for t in outs),
+            inplace=func._schema.is_mutable or any(_storage(t) in written for t in outs),
             random=torch.Tag.nondeterministic_seeded in func.tags,
             flops=like.flops if like is not None else 0.0,
             seconds=like.seconds if like is not None else 0.0))
@@ -91,6 +93,10 @@ def _traced(module: nn.Module, run: Run, x_in: torch.Tensor) -> list[list[tuple]
                                              "profiling", x))
         step(x_in)  # the first call traces forward and backward together
     return traces
+
+
+def _storage(t: torch.Tensor) -> int:
+    return id(t.untyped_storage())
 
 
 def _tensors(out: object) -> list[torch.Tensor]:
