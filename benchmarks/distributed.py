@@ -114,7 +114,9 @@ def main() -> None:
         "",
         "Nothing was allocated: the model is built on the meta device; each candidate plan's "
         "rank step runs on fake tensors, sharded by FSDP2 on a fake group of 8. The budget is "
-        "the card's (80 GiB less the CUDA context, the allocator's segments and a 5 % margin). "
+        "the card's (81,090 MiB as torch reports an H100, less the CUDA context and a 5 % "
+        "margin); a rank's plan is held to it by its allocated peak (the caching allocator's "
+        "replay, `Planning.card`, is for one device). "
         "Full fine-tuning holds about 15 GiB of shards per rank (fp32 parameters 1/8, fp32 "
         "AdamW state 1/8; the gradients' shards appear in backward). AdamW runs its "
         "multi-tensor (`foreach`) update, torch's default on CUDA, whose temporaries over "

@@ -109,3 +109,25 @@ def loss_loop_peak(model, batch, loss_of) -> int:
     step()
     step()
     return _live_peak(model, batch, opt, step)
+
+
+def saved_step(model, run, x) -> tuple[list[torch.Tensor], int]:
+    """Gradients of a cross-entropy step through `run` on `x` (ten classes), and the bytes
+    autograd saved for it (compiled graphs save through the hooks too)."""
+    model.zero_grad(set_to_none=True)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.cross_entropy(run(x), torch.arange(len(x)) % 10).backward()
+    return [p.grad.clone() for p in model.parameters()], sum(sizes)
+
+
+def compiled_alone(model):
+    """`model` compiled with dynamo's caches reset: its own graph, never one dynamo traced
+    for a planned copy before, and never past the recompile limit (a forward there would
+    silently run eager)."""
+    torch._dynamo.reset()
+    return torch.compile(model, dynamic=False)

@@ -11,6 +11,7 @@ import rematlab
 from rematlab.planning.planner import prepare
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import Plan, Selective
+from tests.meters import compiled_alone, saved_step
 
 
 def _chain() -> nn.Sequential:
@@ -23,24 +24,6 @@ def _chain() -> nn.Sequential:
 X = torch.randn(128, 64, dtype=torch.float64)
 
 
-def _step(model: nn.Module, run) -> tuple[list[torch.Tensor], int]:
-    """Gradients of a step through `run`, and the bytes autograd saved for it."""
-    model.zero_grad(set_to_none=True)
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.untyped_storage().nbytes())
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        nn.functional.cross_entropy(run(X), torch.arange(128) % 10).backward()
-    return [p.grad.clone() for p in model.parameters()], sum(sizes)
-
-
-def _compiled(model: nn.Module):
-    torch._dynamo.reset()
-    return torch.compile(model, dynamic=False)
-
-
 @pytest.fixture(scope="module")
 def planning():
     return prepare(_chain(), X, compile=True, ops=True, fractions=())
@@ -51,11 +34,11 @@ def test_compiled_options_keep_the_compiled_gradients(planning):
     assert menus[0] and menus[1] and not menus[2]  # the head has no op to recompute
     n = planning.costs.n
     owner = nn.Sequential(*planning.structure.blocks)
-    expected, saved = _step(owner, _compiled(rematlab.apply(owner, none_plan(n))))
+    expected, saved = saved_step(owner, compiled_alone(rematlab.apply(owner, none_plan(n))), X)
     for pick in (0, -1):  # each block's first and last option
         items = tuple(Selective.of(i, m[pick]) if m else i for i, m in enumerate(menus))
         plan = Plan(n, items, compiled=True)
-        grads, fewer = _step(owner, _compiled(rematlab.apply(owner, plan)))
+        grads, fewer = saved_step(owner, compiled_alone(rematlab.apply(owner, plan)), X)
         assert fewer < saved  # the options save less than the plain compiled graph
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -84,7 +67,7 @@ def test_an_option_made_for_other_code_is_refused_under_compile(planning):
     for item, says in ((stale, "plan is stale"), (edited, "saves ops")):
         plan = Plan(n, (item, *range(1, n)), compiled=True)
         with pytest.raises(Exception, match=says):
-            _compiled(rematlab.apply(owner, plan))(X)
+            compiled_alone(rematlab.apply(owner, plan))(X)
 
 
 class _Wavering(nn.Module):
@@ -136,7 +119,7 @@ def test_compiled_options_around_in_place_ops_keep_the_gradients_and_buffers():
     for name, chosen in (("plain", none_plan(n)), ("options", plan)):
         start = {k: v.clone() for k, v in owner.state_dict().items()}
         owner.zero_grad(set_to_none=True)
-        _compiled(rematlab.apply(owner, chosen))(x).square().mean().backward()
+        compiled_alone(rematlab.apply(owner, chosen))(x).square().mean().backward()
         results[name] = ([p.grad.clone() for p in owner.parameters()],
                          {k: v.clone() for k, v in owner.state_dict().items()})
         owner.load_state_dict(start)

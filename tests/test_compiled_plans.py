@@ -13,6 +13,7 @@ from rematlab.planning.planner import prepare
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import Plan
 from rematlab.remat.compiled_budget import settings
+from tests.meters import compiled_alone, saved_step
 
 
 def _chain() -> nn.Sequential:
@@ -23,24 +24,6 @@ def _chain() -> nn.Sequential:
 
 
 X = torch.randn(256, 128, dtype=torch.float64)
-
-
-def _grads(model: nn.Module, run) -> tuple[list[torch.Tensor], int]:
-    """Gradients of a step through `run`, and the bytes autograd saved for it."""
-    model.zero_grad(set_to_none=True)
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.untyped_storage().nbytes())
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        nn.functional.cross_entropy(run(X), torch.arange(256) % 10).backward()
-    return [p.grad.clone() for p in model.parameters()], sum(sizes)
-
-
-def _compiled(model: nn.Module):
-    torch._dynamo.reset()  # past dynamo's recompile limit a forward would silently run eager
-    return torch.compile(model, dynamic=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +50,11 @@ def test_the_choice_is_the_fastest_measured_candidate_within_the_budget(planning
 def test_a_fraction_in_a_plan_keeps_the_compiled_gradients(planning):
     model = planning.structure.blocks  # the chain's blocks, shared with the model
     owner = nn.Sequential(*model)
-    expected, saved = _grads(owner, _compiled(rematlab.apply(owner, none_plan(len(model)))))
+    plain = compiled_alone(rematlab.apply(owner, none_plan(len(model))))
+    expected, saved = saved_step(owner, plain, X)
     for fraction in (0.0, 0.5):
         plan = Plan(len(model), none_plan(len(model)).items, fraction=fraction, compiled=True)
-        grads, fewer = _grads(owner, _compiled(rematlab.apply(owner, plan)))
+        grads, fewer = saved_step(owner, compiled_alone(rematlab.apply(owner, plan)), X)
         assert fewer < saved  # compiled under its own budget: it recomputes more
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -83,7 +67,7 @@ def test_a_fraction_is_scoped_to_the_planned_model():
     plan = Plan(len(owner), none_plan(len(owner)).items, fraction=0.0, compiled=True)
     planned = rematlab.apply(owner, plan)
     planned(X)  # eager: no region (it would raise outside compile)
-    saved = {name: _grads(owner, _compiled(model))[1]
+    saved = {name: saved_step(owner, compiled_alone(model), X)[1]
              for name, model in (("planned", planned), ("other", owner))}
     assert saved["planned"] < saved["other"]  # fraction 0 recomputes what 1 saves
 
