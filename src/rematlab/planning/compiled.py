@@ -119,7 +119,7 @@ class CompiledCandidates:
         t0 = time.perf_counter()
         torch._dynamo.reset()  # its own graphs, not another candidate's (module docstring)
         try:
-            peak = measure_planned(planned, True, planning.costs, planning.step)
+            peak = measure_planned(planned, planning.costs, planning.step)
         except Exception as exc:  # dynamo, the partitioner, a budget torch refuses
             warnings.warn(f"compiled candidate {plan.describe()!r} dropped: torch.compile "
                           f"refused it ({type(exc).__name__}: {str(exc)[:160]})",

@@ -253,7 +253,7 @@ class Planning:
         if self.ranks is not None:
             return self.ranks.peak(chosen).peak
         planned = planned_step(self.structure, self.model, chosen, self.batch)
-        return measure_planned(planned, chosen.compiled, self.costs, self.step)
+        return measure_planned(planned, self.costs, self.step)
 
     def baselines(self, budget: int | None = None) -> list[dict]:
         """Simulated peak and time of the fixed strategies this model can run."""

@@ -41,6 +41,7 @@ class PlannedStep:
     run: Callable
     eager: Callable
     batch: object
+    compiled: bool
 
 
 def planned_step(st: Structure, model: nn.Module, chosen: Plan, batch: object) -> PlannedStep:
@@ -48,23 +49,24 @@ def planned_step(st: Structure, model: nn.Module, chosen: Plan, batch: object) -
     tensor), or installed on the layers of a model that runs its own loop."""
     if st.kind == "layers":
         twin = attach(model, LayerRemat(st.blocks, chosen))
-        return PlannedStep(model, compiled(twin) if chosen.compiled else twin, model, batch)
+        return PlannedStep(model, compiled(twin) if chosen.compiled else twin, model, batch,
+                           chosen.compiled)
     remat = RematChain(st.blocks, chosen)
     return PlannedStep(remat, compiled(remat) if chosen.compiled else remat,
-                       RematChain(st.blocks, none_plan(len(st.blocks))), one_tensor(batch))
+                       RematChain(st.blocks, none_plan(len(st.blocks))), one_tensor(batch),
+                       chosen.compiled)
 
 
-def measure_planned(planned: PlannedStep, compiled_run: bool, costs: ChainCosts, step: Step
-                    ) -> int:
+def measure_planned(planned: PlannedStep, costs: ChainCosts, step: Step) -> int:
     """The measured peak of the user's step (`Step.backward_passes`; `step_peak`) through
     `planned`; compiled, after a step that compiles forward and backward outside the
     measurement (dynamo's recompile limit lifted)."""
     with compiling():
-        if compiled_run:
+        if planned.compiled:
             with preserved(planned.owner):
                 step.micro_batch(planned.run, planned.batch)
         return step_peak(planned.owner, planned.run, planned.batch, costs, step,
-                         tensors_seen=not compiled_run)
+                         tensors_seen=not planned.compiled)
 
 
 def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,

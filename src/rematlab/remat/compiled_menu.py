@@ -148,9 +148,10 @@ def compiled_options(module: nn.Module, run: Run, x_in: torch.Tensor, plain: dic
         except Exception as exc:  # whatever dynamo or inductor raises drops the option
             if is_oom(exc):
                 raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            why = getattr(exc, "inner_exception", None) or exc  # inductor's wrapped error
+            first = str(why).strip().splitlines()[0] if str(why).strip() else ""
             warnings.warn(f"{where}: op-level option '{item.option}' dropped from the compiled "
-                          f"menu: torch.compile cannot run it ({type(exc).__name__}: {first})",
+                          f"menu: torch.compile cannot run it ({type(why).__name__}: {first})",
                           RuntimeWarning, stacklevel=2)
             continue
         menu.append(Option(name=item.option, saves=saves, saved=r["saved"],
