@@ -41,6 +41,7 @@ from rematlab.remat.ops import (
     run_option,
     save_sets,
     smaller,
+    written_in_place,
 )
 from rematlab.remat.policy import fingerprint, traced_ops
 from rematlab.remat.recompute import RecomputeStats
@@ -63,8 +64,9 @@ def compiled_ops(module: nn.Module, run: Run, x_in: torch.Tensor, eager: list[Op
     # traced tensors have no address; torch keeps one Python object per storage, and the
     # trace keeps every output alive: its identity tells which outputs (or views of them)
     # an op writes in place later
-    written = {_storage(t) for func, out in rows if func._schema.is_mutable
-               for t in _tensors(out)}
+    written = written_in_place([func._schema.is_mutable for func, _ in rows],
+                               [[id(t.untyped_storage()) for t in _tensors(out)]
+                                for _, out in rows])
     eager_of = _matched([o.name for o in eager], [str(func) for func, _ in rows])
     counts: Counter[str] = Counter()
     ops = []
@@ -77,7 +79,7 @@ def compiled_ops(module: nn.Module, run: Run, x_in: torch.Tensor, eager: list[Op
             out_bytes=sum(t.untyped_storage().nbytes() for t in outs),
             autograd_saves=like.autograd_saves if like is not None else False,
             view=func.is_view,
-            inplace=func._schema.is_mutable or any(_storage(t) in written for t in outs),
+            inplace=written[i],
             random=torch.Tag.nondeterministic_seeded in func.tags,
             flops=like.flops if like is not None else 0.0,
             seconds=like.seconds if like is not None else 0.0))
@@ -93,10 +95,6 @@ def _traced(module: nn.Module, run: Run, x_in: torch.Tensor) -> list[list[tuple]
                                              "profiling", x))
         step(x_in)  # the first call traces forward and backward together
     return traces
-
-
-def _storage(t: torch.Tensor) -> int:
-    return id(t.untyped_storage())
 
 
 def _tensors(out: object) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ import statistics
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -147,19 +147,28 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
             rows = [(*row[:1], [(storage_key(t), rounded(t.untyped_storage().nbytes(), 1))
                                 for t in row[1]], *row[2:]) for row in recorder.rows]
         timings.append([row[-1] for row in recorder.rows])
-    written = {key for row in rows if row[3] for key, _ in row[1]}
+    written = written_in_place([row[3] for row in rows], [[k for k, _ in row[1]] for row in rows])
     counts: Counter[str] = Counter()
     ops = []
-    for i, (name, outs, view, inplace, random, flops, _) in enumerate(rows):
+    for i, (name, outs, view, _, random, flops, _) in enumerate(rows):
         ops.append(OpCost(
             name=name, index=counts[name],
             out_bytes=sum(b for key, b in outs if key not in mine),
             autograd_saves=any(key in saved and key not in mine for key, _ in outs),
-            view=view, inplace=inplace or any(key in written for key, _ in outs),
+            view=view, inplace=written[i],
             random=random, flops=flops,
             seconds=statistics.median(t[i] for t in timings if len(t) == len(rows))))
         counts[name] += 1
     return ops
+
+
+def written_in_place(mutable: list[bool], outputs: list[list[Hashable]]) -> list[bool]:
+    """Per op of a forward (`mutable`: the op writes in place; `outputs`: its outputs'
+    storage keys), whether its output is written in place, by the op itself or by a later
+    one: a saved copy would be stale, and selective checkpointing refuses to cache it."""
+    written = {key for m, keys in zip(mutable, outputs, strict=True) if m for key in keys}
+    return [m or any(key in written for key in keys)
+            for m, keys in zip(mutable, outputs, strict=True)]
 
 
 def short(name: str) -> str:
