@@ -47,16 +47,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(worker, world: int, out: Path, *args) -> list[dict]:
-    """Run `worker(rank, world, out, *args)` on `world` gloo ranks; their JSON results."""
-    mp.spawn(_entry, args=(world, free_port(), worker, out, args), nprocs=world)
+def spawn(worker, world: int, out: Path, *args, backend: str = "gloo") -> list[dict]:
+    """Run `worker(rank, world, out, *args)` on `world` ranks (gloo on the CPU; nccl with
+    one GPU per rank); their JSON results."""
+    mp.spawn(_entry, args=(world, free_port(), worker, out, args, backend), nprocs=world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _entry(rank: int, world: int, port: int, worker, out: Path, args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, worker, out: Path, args: tuple,
+           backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = worker(rank, world, *args)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -129,6 +133,21 @@ def fsdp_worker(rank: int, world: int, names: list[str]) -> dict:
         found[name] = {"rows": rows, "grad_error": error, "grads": len(got),
                        "plain_grads": len(want)}
     return found
+
+
+def nccl_worker(rank: int, world: int) -> dict:
+    """A measured FSDP plan on this rank's GPU over NCCL: the floor and the unconstrained
+    plan, each within its budget on the card."""
+    model, batch = made("gpt2")
+    device = torch.device("cuda", rank)
+    model = model.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    planning = rematlab.prepare(model, batch,
+                                step=Step(optimizer=torch.optim.AdamW, layout=FSDP()))
+    floor = planning.floor_budget()
+    full = planning.measure(planning.unconstrained)
+    return {"rows": [[budget, planning.choose(budget).measured_peak]
+                     for budget in (floor, full)]}
 
 
 def ddp_worker(rank: int, world: int) -> dict:

@@ -143,3 +143,39 @@ def test_op_level_options_for_a_cuda_target_name_the_ops_cuda_runs():
     assert not any("bernoulli" in n or "for_cpu" in n for n in seen[True])
     assert any("bernoulli" in n for n in seen[False])  # CPU dropout, a mask in bf16
     assert fingerprint(seen[True]) != fingerprint(seen[False])  # a CPU plan is refused
+
+
+def test_a_cuda_targets_autocast_follows_cudas_policy_not_the_cpus():
+    """Issue 49: under bf16 autocast a CUDA step runs pow, softmax, layer_norm and sum in fp32
+    (`autocast_mode.cpp`'s CUDA lists) and einsum in bf16; the CPU's policy keeps the first in
+    bf16. Pre-flight for a CUDA target applies CUDA's, differentiably,
+    and only inside the autocast region."""
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = [F.softmax(x, -1), x ** 3, F.layer_norm(x, (8,))]
+        with CudaDispatch():
+            cuda = [F.softmax(x, -1), x ** 3, F.layer_norm(x, (8,)), x.sum(),
+                    torch.einsum("ij,jk->ik", w, w), F.gelu(x),
+                    x.softmax(-1, dtype=torch.bfloat16)]
+    assert [t.dtype for t in cpu] == [torch.bfloat16] * 3
+    assert [t.dtype for t in cuda] == [torch.float32] * 4 + [torch.bfloat16] * 3
+    sum(t.float().sum() for t in cuda[:4]).backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    with CudaDispatch():  # no autocast region: nothing cast
+        assert F.softmax(x, -1).dtype == torch.bfloat16
+
+
+def test_grouped_query_attention_flops_count_on_every_torch():
+    """torch 2.11's FlopCounterMode raised on key/value with fewer heads than the query
+    (`tests/data/gpu/h200-torch2.11`): rematlab's formulas count them as the query's heads."""
+    from rematlab.core.flops import formula, sdpa_backward_flops, sdpa_flops
+
+    q, kv = (2, 8, 16, 32), (2, 2, 16, 32)
+    assert sdpa_flops(q, kv, kv) == sdpa_flops(q, q, q) > 0
+    assert sdpa_backward_flops(q, q, kv, kv) == sdpa_backward_flops(q, q, q, q) > 0
+    op = torch.ops.aten._scaled_dot_product_efficient_attention
+    with FakeTensorMode():
+        query, key = torch.empty(q), torch.empty(kv)
+        out = torch.empty(q)
+    assert formula(op)(query, key, key, None, True, out_val=(out,)) == sdpa_flops(q, q, q)

@@ -15,7 +15,12 @@ dispatching. `CpuAllocatorTrace` counts what the c10 CPU allocator hands out, th
 profiler's memory events; CPU peaks of record are the larger of the two counts.
 
 CUDA (NVIDIA and ROCm): `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`,
-which counts every allocation through the caching allocator, compiled code included.
+which counts every allocation through the caching allocator, compiled code included. Those
+statistics are the process's: another model's tensors on the card are in them. A step's peak
+means the same on every device: the step's own tensors that exist before it (tracked, as on
+CPU) plus what the step allocates above the level at entry; the rest of the process's
+tensors are reported beside it (`StepMemory.other`), never in it. The statistics are read
+through `CudaStats`, which a test replaces with a fake card.
 """
 
 from __future__ import annotations
@@ -207,24 +212,41 @@ class CpuAllocatorTrace:
             yield
 
 
+class CudaStats(Protocol):
+    """The caching allocator's statistics as `torch.cuda` gives them (the module itself is
+    one); a test passes a fake card."""
+
+    def synchronize(self, device: torch.device) -> None: ...
+
+    def memory_allocated(self, device: torch.device) -> int: ...
+
+    def max_memory_allocated(self, device: torch.device) -> int: ...
+
+    def max_memory_reserved(self, device: torch.device) -> int: ...
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None: ...
+
+
 class CudaAllocatorTrace:
-    """`CpuAllocatorTrace`'s interface over the CUDA caching allocator's peak statistics."""
+    """`CpuAllocatorTrace`'s interface over the CUDA caching allocator's peak statistics,
+    above the process's level at entry."""
 
     method = "torch.cuda.max_memory_allocated"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stats: CudaStats | None = None) -> None:
         self.device = device
+        self.stats: CudaStats = stats if stats is not None else torch.cuda
         self.peak = 0
         self.phases: dict[str, Span] = {}
         self._base = 0
 
     def _level(self, stat: str) -> int:
-        torch.cuda.synchronize(self.device)
-        return getattr(torch.cuda, stat)(self.device) - self._base
+        self.stats.synchronize(self.device)
+        return getattr(self.stats, stat)(self.device) - self._base
 
     def __enter__(self) -> CudaAllocatorTrace:
         self._base = self._level("memory_allocated")
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.stats.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -234,7 +256,7 @@ class CudaAllocatorTrace:
     def phase(self, name: str) -> Iterator[None]:
         self.peak = max(self.peak, self._level("max_memory_allocated"))
         start = self._level("memory_allocated")
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.stats.reset_peak_memory_stats(self.device)
         try:
             yield
         finally:
@@ -243,9 +265,11 @@ class CudaAllocatorTrace:
             self.peak = max(self.peak, top)
 
 
-def allocator_trace(device: torch.device) -> CpuAllocatorTrace | CudaAllocatorTrace:
+def allocator_trace(device: torch.device, stats: CudaStats | None = None
+                    ) -> CpuAllocatorTrace | CudaAllocatorTrace:
     """The allocator-level probe for `device` (CPU or CUDA)."""
-    return CudaAllocatorTrace(device) if device.type == "cuda" else CpuAllocatorTrace()
+    return (CudaAllocatorTrace(device, stats) if device.type == "cuda"
+            else CpuAllocatorTrace())
 
 
 class MemoryProbe(Protocol):
@@ -273,17 +297,24 @@ class StepMemory:
     CPU: the larger of the live tensors (`LiveTensorTracker`, above the tracked tensors; off
     with `tensors_seen=False` for compiled code, which it cannot see into) and the allocator's
     count (`CpuAllocatorTrace`) above the same base. CUDA: the caching allocator's peak above
-    `memory_allocated` at entry, plus that entry level; `reserved` is the allocator's reserved
-    peak. `cap` makes the tracker raise `SimulatedOOM` as soon as live bytes exceed it.
+    `memory_allocated` at entry, plus the step's tracked tensors (in the allocator's 512-byte
+    blocks), not the process's level: `other` holds what the rest of the process had
+    allocated at entry (another model on the card), reported beside the peak. The BLAS
+    workspaces are freed at entry, so that the step's peak holds those it allocates, as
+    the simulation does (`planning.planner.prepare`), whatever ran before it. `reserved` is
+    the allocator's reserved peak less `other`. `cap` makes the tracker raise `SimulatedOOM`
+    as soon as live bytes exceed it. `stats`: the CUDA statistics (`CudaStats`).
     """
 
     def __init__(self, device: torch.device, cap: int | None = None,
-                 tensors_seen: bool = True) -> None:
+                 tensors_seen: bool = True, stats: CudaStats | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.tracker = LiveTensorTracker(cap)
+        self.stats: CudaStats = stats if stats is not None else torch.cuda
+        self.tracker = LiveTensorTracker(cap, unit=512 if self.cuda else 1)
         self.tensors_seen = tensors_seen and not self.cuda
-        self.allocator = allocator_trace(device)
+        self.allocator = allocator_trace(device, self.stats)
+        self.other = 0
         self.method = (CudaAllocatorTrace.method if self.cuda else
                        f"max({LiveTensorTracker.method}, {CpuAllocatorTrace.method})")
         self.base = 0
@@ -296,11 +327,13 @@ class StepMemory:
         self.tracker.track(tensors)
 
     def __enter__(self) -> StepMemory:
+        self.base = self.tracker.live
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.base = self.tracker.live
+            self.stats.synchronize(self.device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None and self.stats is torch.cuda:
+                clear()  # the step allocates its BLAS workspaces again, inside its peak
+            self.other = max(0, self.stats.memory_allocated(self.device) - self.base)
         self.tracker.reset_peak()
         self.allocator.__enter__()
         return self
@@ -312,8 +345,8 @@ class StepMemory:
         self.peak = max([self.base + self.allocator.peak, *self.phase_peaks.values()])
         if self.tensors_seen:
             self.peak = max(self.peak, self.tracker.peak)
-        self.reserved = max(self._reserved.values(), default=self.peak) if self.cuda \
-            else self.peak
+        self.reserved = max(self.peak, max(self._reserved.values(), default=0) - self.other) \
+            if self.cuda else self.peak
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -326,7 +359,7 @@ class StepMemory:
             else:
                 yield
             if self.cuda:
-                self._reserved[name] = torch.cuda.max_memory_reserved(self.device)
+                self._reserved[name] = self.stats.max_memory_reserved(self.device)
 
 
 PhaseMarker = Callable[[str], contextlib.AbstractContextManager]

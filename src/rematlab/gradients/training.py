@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.clocks import clock_for
 from rematlab.core.guard import LOAD, HostLoad
 from rematlab.core.optimizers import make_optimizer
@@ -99,7 +99,7 @@ def _step_costs(method: Method, model: nn.Module, loss_fn: ModelLoss, step: Step
     (estimate and optimizer step, with the optimizer's state, parameters, buffers and the
     batch alive), by `probes.StepMemory` as rematlab measures every step — on a copy, after
     a warm-up step that creates the optimizer's state, so training is untouched."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_count.counter()
     probe = copy.deepcopy(model)
     with counter:
         estimate(method, probe, loss_fn, seed=0)

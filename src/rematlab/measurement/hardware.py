@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.clocks import WallClock
 from rematlab.core.guard import CALIBRATION_FLOPS, Calibration
 from rematlab.core.timer import MIN_REPEAT_SECONDS
@@ -67,7 +67,7 @@ def estimate_seconds(specs: list[Spec]) -> float:
             with torch.device("meta"):
                 model, shape, _ = zoo.resolve(s.model, s.input, s.input_shape)
                 x = torch.empty(s.batch, *shape)
-                counter = FlopCounterMode(display=False)
+                counter = flop_count.counter()
                 with counter:
                     model(x).sum().backward()
             cache[key] = float(counter.get_total_flops())

@@ -33,8 +33,8 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.batch import DTYPES, cast, make_example, tensors
 from rematlab.core.clocks import Clock, clock_for
 from rematlab.core.guard import MAX_WAIT_S, Guard
@@ -139,7 +139,7 @@ class _Counted:
 
     def _around(self, phase: str):
         stack = contextlib.ExitStack()
-        counter = FlopCounterMode(display=False)
+        counter = flop_count.counter()
         stack.callback(lambda: self.flops.__setitem__(phase, counter.get_total_flops()))
         stack.enter_context(counter)
         if phase == "backward":

@@ -1,9 +1,12 @@
 """`budget="auto"`: the memory a training step may use on this device, and how it was derived.
 
 A step's peak, as rematlab measures and plans it, counts every tensor of the step — the
-parameters, buffers and batch that already exist included. So the budget is what the step may
-hold in all: on CUDA, what this process holds and caches plus what the device has free; on
-CPU, the tensors that already exist (`resident`) plus the memory still available to this
+parameters, buffers and batch that already exist included — and no other tensor (another
+model on the same card is not the step's: `rematlab.core.probes`). So the budget is what the
+step may hold in all, its tensors that already exist (`resident`) plus what it can still get:
+on CUDA, the device's free memory and this process's cache (reserved, not allocated), while
+the process's other tensors and the CUDA context stay out of it and are named in the line
+that says how the budget was derived; on CPU, the memory still available to this
 process, the tighter of the container's limit (cgroup v2 `memory.max` / v1
 `memory.limit_in_bytes`, less its current usage) and the kernel's `MemAvailable`. Either way
 a safety margin is kept back: 5 % of the device's or container's memory, at least 256 MiB,
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,18 +58,26 @@ def resolve_budget(budget: str | int, device: torch.device, resident: int = 0) -
 
 def device_budget(device: torch.device, resident: int = 0, *,
                   cgroup: Path = Path("/sys/fs/cgroup"),
-                  meminfo: Path = Path("/proc/meminfo")) -> DeviceBudget:
+                  meminfo: Path = Path("/proc/meminfo"), cuda: Any = torch.cuda
+                  ) -> DeviceBudget:
     """The memory a step may use on `device` (see the module docstring); `resident`: bytes of
-    the step's tensors that already exist on a CPU (parameters, buffers, the batch)."""
+    the step's tensors that already exist (parameters, buffers, the batch); `cuda`: where
+    the CUDA statistics come from (`torch.cuda`; a fake card in tests)."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_allocated(device)
-        cached = torch.cuda.memory_reserved(device) - held
+        free, total = cuda.mem_get_info(device)
+        held = cuda.memory_allocated(device)
+        reserved = cuda.memory_reserved(device)
+        cached = reserved - held
+        other = max(0, held - resident)
+        context = max(0, total - free - reserved)  # the CUDA context and other processes
         margin = max(int(MARGIN_FRACTION * total), MARGIN_MIN)
-        nbytes = held + cached + free - margin
-        how = (f"auto on {device}: {format_bytes(free)} free + {format_bytes(held)} held and "
-               f"{format_bytes(cached)} cached by this process, less a margin of "
-               f"{format_bytes(margin)} (5 % of {format_bytes(total)}, at least 256 MiB)")
+        nbytes = min(held, resident) + cached + free - margin
+        how = (f"auto on {device}: {format_bytes(free)} free + {format_bytes(cached)} cached "
+               f"by this process + {format_bytes(min(held, resident))} of the step's tensors "
+               f"already resident, less a margin of {format_bytes(margin)} (5 % of "
+               f"{format_bytes(total)}, at least 256 MiB); not the step's: "
+               f"{format_bytes(other)} of other tensors in this process, "
+               f"{format_bytes(context)} of CUDA context and other processes")
     else:
         available = _meminfo(meminfo, "MemAvailable")
         total = _meminfo(meminfo, "MemTotal")

@@ -39,6 +39,7 @@ from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.simulate import overhead, simulate
 from rematlab.plans.solver import Solution, solve
+from rematlab.preflight.cards import blas_resident, device_blas_workspace
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import compiling
 from rematlab.remat.chain import profile_chain
@@ -346,6 +347,10 @@ def prepare(
     engine = None
     if user_step.layout is not None:
         costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)
+    elif dev.type == "cuda":  # the BLAS workspaces the measured step holds (`StepMemory`)
+        blas = blas_resident(device_blas_workspace(dev))
+        costs = replace(costs, base=costs.base + blas,
+                        optimizer_peak=costs.optimizer_peak + blas)
     solution = solve(costs, layers=st.kind == "layers")
     planning = Planning(model, st, batch, costs, solution, verify, compile, user_step,
                         ranks=engine)

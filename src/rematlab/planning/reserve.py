@@ -22,9 +22,10 @@ from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan
 from rematlab.preflight.caching import CachingAllocator
+from rematlab.preflight.cards import BLAS_HANDLES
 from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.kernels import KernelScratch
-from rematlab.preflight.targets import BLAS_HANDLES, Target
+from rematlab.preflight.targets import Target
 from rematlab.remat.strategies import RematChain, apply
 from rematlab.remat.structure import Structure
 from rematlab.remat.tracing import meta_copy

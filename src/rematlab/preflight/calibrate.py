@@ -34,7 +34,9 @@ from rematlab.core.timer import watched
 from rematlab.preflight.gpu_calibrate import EventTiming, measure_gpu
 from rematlab.preflight.roofline import LoggedOp, logged
 
-VERSION = 4  # of what `measure` reports: a cached calibration of another version is redone
+# of what `measure` reports: a cached calibration of another version is redone (5: a GPU
+# target gets its card's BLAS workspace and CUDA context)
+VERSION = 5
 ROUNDS = 5  # the suite runs this many times after a warm-up; each op's median is kept
 SCALES = (1, 4)  # batch multipliers: small and larger kernels
 MIN_BYTES = 1 << 16  # an op moving less has no rate to speak of: its time is overhead

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+
+from rematlab.core.flops import formula as flop_formula
 
 CONV = frozenset(("convolution", "convolution_backward", "_convolution"))
 FREE = frozenset(("detach", "alias", "lift_fresh", "empty", "empty_strided", "empty_like",
@@ -48,7 +49,7 @@ def logged(func, args: tuple, kwargs: dict, out: object) -> LoggedOp | None:
     if not outs or func.is_view or name in FREE:
         return None
     ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    formula = flop_registry.get(func._overloadpacket)
+    formula = flop_formula(func._overloadpacket)
     flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
     kind = "vector" if not flops else ("conv" if name in CONV else "matmul")
     dtype = str(outs[0].dtype).removeprefix("torch.")

@@ -30,26 +30,24 @@ import torch
 from rematlab.core.files import cache_dir, write_text
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
-from rematlab.preflight.allocator import fresh
 from rematlab.preflight.calibrate import VERSION, measure
+from rematlab.preflight.cards import (
+    CUBLAS_DEFAULT,
+    CUBLAS_HOPPER,
+    CUBLASLT,
+    CUDA_CONTEXT,
+    HIPBLAS_DEFAULT,
+    HIPBLAS_GFX94,
+    HIPBLASLT,
+    blas_resident,
+    cuda_context,
+    device_blas_workspace,
+)
 from rematlab.preflight.roofline import LoggedOp
 
 MiB = 1 << 20
 GiB = 1 << 30
 KiB = 1 << 10
-
-# BLAS workspaces per handle and stream, from torch's `aten/src/ATen/cuda/CublasHandlePool.cpp`
-# (`parseChosenWorkspaceSize`, `parseCUDABlasLtWorkspaceSize`), without the environment
-# variables that change them (`CUBLAS_WORKSPACE_CONFIG`, `CUBLASLT_WORKSPACE_SIZE`):
-# cuBLAS `:4096:2:16:8` (8 MiB + 128 KiB), 32 MiB on Hopper (sm90); cuBLASLt 1 MiB, counted
-# apart (it shares cuBLAS's only when `TORCH_CUBLASLT_UNIFIED_WORKSPACE` is set). ROCm:
-# hipBLAS 32 MiB, 128 MiB on gfx94x/gfx95x (MI300), hipBLASLt 76 MiB.
-CUBLAS_DEFAULT = 4096 * KiB * 2 + 16 * KiB * 8
-CUBLAS_HOPPER = 4096 * KiB * 8
-CUBLASLT = 1024 * KiB
-HIPBLAS_DEFAULT, HIPBLAS_GFX94 = 32 * MiB, 128 * MiB
-HIPBLASLT = 76 * MiB
-BLAS_HANDLES = 2  # the caller's thread (forward, optimizer) and autograd's device thread
 
 # What torch.utils.checkpoint's own host work costs per region (saved-tensor hooks, the RNG
 # state stashed and restored, the recomputation's frames), low/typical/high seconds: an
@@ -100,7 +98,7 @@ class Target:
         life), and handles are per thread — the forward runs on the caller's thread, the
         backward on autograd's device thread (`torch/csrc/autograd/engine.cpp`) — so two;
         each counted as the allocator hands it out (`allocator.fresh`)."""
-        return BLAS_HANDLES * fresh(self.workspace)
+        return blas_resident(self.workspace)
 
     @property
     def usable(self) -> int:
@@ -129,11 +127,6 @@ def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
         bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6), checkpoint_host=HOST_CHECKPOINT,
         context=CUDA_CONTEXT, workspace=workspace, source=source)
 
-
-# The CUDA context (driver, kernels of torch's libraries loaded lazily) on CUDA 12 with lazy
-# module loading, as `nvidia-smi` shows it for a process that has run a training step:
-# 400-600 MiB on A100/H100. It is outside the caching allocator; 512 MiB is budgeted.
-CUDA_CONTEXT = 512 * MiB
 
 # Data sheets (dense tensor-core peaks; FP32 is non-tensor FP32, which PyTorch uses for fp32
 # matmuls unless TF32 is switched on). Memory in MiB as torch reports the card
@@ -334,7 +327,13 @@ def calibrated(kind: str = "cpu") -> Target:
         fields = json.loads(path.read_text())
         if fields.pop("version") == VERSION:  # a file this rematlab's calibration wrote
             return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES}})
-    target = Target(**measure(kind), context=CUDA_CONTEXT if kind == "cuda" else 0)
+    fields = measure(kind)
+    if kind == "cuda":  # the terms a data-sheet profile has, for this card
+        device = torch.device("cuda", torch.cuda.current_device())
+        sheet = profile_of_device(torch.cuda.get_device_name(device))
+        fields.update(context=cuda_context(sheet.name if sheet else None, torch.version.cuda),
+                      workspace=device_blas_workspace(device))
+    target = Target(**fields)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps({**target.to_dict(), "version": VERSION}))

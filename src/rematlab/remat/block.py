@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.probes import (
     CastRecorder,
     LiveTensorTracker,
@@ -105,7 +105,7 @@ class _BlockRun:
         # parameters, buffers and other arguments exist before the block runs: tracked up
         # front, so that views of them (a Linear's `weight.t()`) are not counted as new memory
         self.tracker.track([x_in, *block.parameters(), *block.buffers(), *(others or ())])
-        self.flops = FlopCounterMode(display=False)
+        self.flops = flop_count.counter()
         self.logs = (OpLog(), OpLog()) if target is not None else None
         self._scratch_kind = target.kind if target is not None and target.calibrated else None
         self._cuda = target is not None and target.kind == "cuda"

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.probes import (
     LiveTensorTracker,
     rounded,
@@ -198,7 +198,7 @@ class Repeats:
         row = self.rows.get(structure_key(module, inputs))
         if row is None:
             return None
-        flops = FlopCounterMode(display=False)
+        flops = flop_count.counter()
         with preserved(module), torch.no_grad(), flops:
             out = forward()
         if flops.get_total_flops() != row["fwd_flops"] or out.shape != row["out"].shape:

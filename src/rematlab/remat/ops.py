@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import flop_registry
 
+from rematlab.core.flops import formula as flop_formula
 from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
 from rematlab.core.steps import preserved, unit_loss
 from rematlab.core.timer import time_block
@@ -100,7 +100,7 @@ class _Recorder(TorchDispatchMode):
             op = logged(func, args, kwargs, out)
             seconds = interval([op], self.target)[1] if op is not None else 0.0
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_formula(func._overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
         self.rows.append((str(func), outs, func.is_view, func._schema.is_mutable,
                           torch.Tag.nondeterministic_seeded in func.tags, flops, seconds))

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.clocks import Clock, WallClock
 from rematlab.preflight.cuda_ops import reentered
 
@@ -36,7 +36,7 @@ class RecomputeStats:
         outermost = self._depth == 0
         if outermost:
             self.clock.start()
-        counter = FlopCounterMode(display=False) if outermost and self.count_flops else None
+        counter = flop_count.counter() if outermost and self.count_flops else None
         self._depth += 1
         try:
             with counter if counter is not None else contextlib.nullcontext():

@@ -9,8 +9,8 @@ from functools import cache
 
 import pandas as pd
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from rematlab.core import flops as flop_count
 from rematlab.core.batch import DTYPES
 from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
@@ -50,7 +50,7 @@ def _chain_costs(model: str, scale: str | None, shape: tuple[int, ...] | None, b
             if kind in name:
                 kinds[kind] += 1
     kinds["leaf"] = sum(1 for m in net.modules() if not list(m.children()))
-    counter = FlopCounterMode(display=False)
+    counter = flop_count.counter()
     with counter, torch.no_grad():
         net(x)
     by_op = counter.get_flop_counts().get("Global", {})
