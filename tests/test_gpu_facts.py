@@ -16,7 +16,7 @@ import pytest
 from rematlab.planning.planner import prepare
 from rematlab.plans.plan import parse_plan
 from rematlab.plans.simulate import simulate
-from rematlab.preflight.cards import blas_workspace, cuda_context
+from rematlab.preflight.cards import card_terms
 from rematlab.preflight.targets import PROFILES
 from tests import gpufacts
 
@@ -40,8 +40,8 @@ def card_targets(facts: dict) -> dict:
     card = facts["card"]
     sheet = PROFILES[card["profile"]]
     calibrated = replace(sheet, name="cuda", memory=card["total_memory"],
-                         workspace=blas_workspace(tuple(card["capability"])),
-                         context=cuda_context(card["profile"], card["cuda"]))
+                         **card_terms(card["profile"], tuple(card["capability"]),
+                                      card["cuda"]))
     return {card["profile"]: sheet, "cuda": calibrated}
 
 

@@ -68,12 +68,13 @@ def device_budget(device: torch.device, resident: int = 0, *,
         held = cuda.memory_allocated(device)
         reserved = cuda.memory_reserved(device)
         cached = reserved - held
-        other = max(0, held - resident)
+        own = min(held, resident)
+        other = held - own
         context = max(0, total - free - reserved)  # the CUDA context and other processes
         margin = max(int(MARGIN_FRACTION * total), MARGIN_MIN)
-        nbytes = min(held, resident) + cached + free - margin
+        nbytes = own + cached + free - margin
         how = (f"auto on {device}: {format_bytes(free)} free + {format_bytes(cached)} cached "
-               f"by this process + {format_bytes(min(held, resident))} of the step's tensors "
+               f"by this process + {format_bytes(own)} of the step's tensors "
                f"already resident, less a margin of {format_bytes(margin)} (5 % of "
                f"{format_bytes(total)}, at least 256 MiB); not the step's: "
                f"{format_bytes(other)} of other tensors in this process, "

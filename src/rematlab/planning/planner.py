@@ -31,7 +31,13 @@ from rematlab.distributed.group import world_size
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
 from rematlab.planning.compiled import FRACTIONS, CompiledCandidates, choose_compiled
-from rematlab.planning.predicted import card_budget, predicted_costs, room, with_margin
+from rematlab.planning.predicted import (
+    card_budget,
+    predicted_costs,
+    room,
+    with_margin,
+    with_resident,
+)
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.reserve import CardMemory, card_memory
 from rematlab.planning.verify import measure_planned, planned_step, strategy_table
@@ -348,9 +354,7 @@ def prepare(
     if user_step.layout is not None:
         costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)
     elif dev.type == "cuda":  # the BLAS workspaces the measured step holds (`StepMemory`)
-        blas = blas_resident(device_blas_workspace(dev))
-        costs = replace(costs, base=costs.base + blas,
-                        optimizer_peak=costs.optimizer_peak + blas)
+        costs = with_resident(costs, blas_resident(device_blas_workspace(dev)))
     solution = solve(costs, layers=st.kind == "layers")
     planning = Planning(model, st, batch, costs, solution, verify, compile, user_step,
                         ranks=engine)

@@ -54,8 +54,14 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
         costs = profile_layers(model, batch, st.blocks, step=step, target=tgt, ops=ops)
     else:
         costs = profile_chain(st.blocks, one_tensor(batch), target=tgt, ops=ops, step=step)
-    return replace(costs, base=costs.base + tgt.blas_resident,
-                   optimizer_peak=costs.optimizer_peak + tgt.blas_resident), tgt
+    return with_resident(costs, tgt.blas_resident), tgt
+
+
+def with_resident(costs: ChainCosts, nbytes: int) -> ChainCosts:
+    """`costs` with `nbytes` more held through the whole step, optimizer step included (the
+    BLAS workspaces: a GPU target's, or the card's here when measured)."""
+    return replace(costs, base=costs.base + nbytes,
+                   optimizer_peak=costs.optimizer_peak + nbytes)
 
 
 def card_budget(budget: str | int, target: Target | None) -> DeviceBudget | None:

@@ -80,3 +80,11 @@ def blas_resident(workspace: int) -> int:
     (`Target.blas_resident`), each as the allocator hands it out."""
     return BLAS_HANDLES * fresh(workspace)
 
+
+def card_terms(profile: str | None, capability: tuple[int, int] | None,
+               cuda_version: str | None, rocm_arch: str | None = None) -> dict[str, int]:
+    """A card's `context` and `workspace` (the `Target` fields), from its data-sheet profile's
+    name, compute capability, CUDA version and ROCm architecture: what the calibrated `cuda`
+    target takes on the card here, and what the fact files' replay takes for a card recorded."""
+    return {"context": cuda_context(profile, cuda_version),
+            "workspace": blas_workspace(capability, rocm_arch)}

@@ -76,6 +76,7 @@ CPU_ONLY = frozenset((  # in the CPU's fp32 list only: CUDA runs them in their i
     "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d",
     "fractional_max_pool2d", "fractional_max_pool3d", "max_unpool2d", "max_unpool3d", "pad",
     "grid_sample", "quantile", "nanquantile", "trace"))
+POLICED = CUDA_FP32 | CUDA_FP32_DTYPE | CUDA_LOW | CPU_ONLY
 
 
 class CudaDispatch(TorchFunctionMode):
@@ -95,13 +96,11 @@ class CudaDispatch(TorchFunctionMode):
             return _dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             low = low_precision()
-            return _attention(*_cast(args, low), **{k: _cast(v, low) for k, v in
-                                                    kwargs.items()})
+            return _attention(*_cast(args, low), **_cast(kwargs, low))
         low = low_precision()
         if low is not None:
             name = getattr(func, "__name__", "")
-            if name in CUDA_FP32 or name in CUDA_FP32_DTYPE or name in CUDA_LOW \
-                    or name in CPU_ONLY:
+            if name in POLICED:
                 args, kwargs = _cuda_policy(name, args, kwargs, low)
                 with torch.autocast("cpu", enabled=False):
                     return func(*args, **kwargs)
@@ -126,10 +125,9 @@ def _cuda_policy(name: str, args: tuple, kwargs: dict, low: torch.dtype
             kwargs = {**kwargs, "dtype": torch.float32}
         return args, kwargs
     if name in CUDA_FP32:
-        return _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in
-                                             kwargs.items()}
+        return _cast(args, torch.float32), _cast(kwargs, torch.float32)
     if name in CUDA_LOW:
-        return _cast(args, low), {k: _cast(v, low) for k, v in kwargs.items()}
+        return _cast(args, low), _cast(kwargs, low)
     return args, kwargs
 
 
@@ -140,9 +138,12 @@ def _eligible(t: object) -> bool:
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
-    """`value` with every eligible tensor in it (lists and tuples too) cast to `dtype`."""
+    """`value` with every eligible tensor in it (lists, tuples and dicts' values too) cast
+    to `dtype`."""
     if dtype is None:
         return value
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, dtype) for v in value)
     return value.to(dtype) if _eligible(value) and value.dtype != dtype else value

@@ -40,8 +40,7 @@ from rematlab.preflight.cards import (
     HIPBLAS_GFX94,
     HIPBLASLT,
     blas_resident,
-    cuda_context,
-    device_blas_workspace,
+    card_terms,
 )
 from rematlab.preflight.roofline import LoggedOp
 
@@ -329,10 +328,11 @@ def calibrated(kind: str = "cpu") -> Target:
             return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES}})
     fields = measure(kind)
     if kind == "cuda":  # the terms a data-sheet profile has, for this card
-        device = torch.device("cuda", torch.cuda.current_device())
-        sheet = profile_of_device(torch.cuda.get_device_name(device))
-        fields.update(context=cuda_context(sheet.name if sheet else None, torch.version.cuda),
-                      workspace=device_blas_workspace(device))
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        sheet = profile_of_device(props.name)
+        rocm = getattr(props, "gcnArchName", None) if torch.version.hip else None
+        fields.update(card_terms(sheet.name if sheet else None, (props.major, props.minor),
+                                 torch.version.cuda, rocm))
     target = Target(**fields)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
