@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import rematlab
@@ -152,8 +153,9 @@ def nccl_worker(rank: int, world: int) -> dict:
 
 def ddp_worker(rank: int, world: int) -> dict:
     """A DDP plan at the single-process unconstrained plan's peak, metered in the user's DDP
-    loop: MemTracker for the step, and the buckets DDP reports it made (its logging data:
-    the C++ reducer allocates them, which no dispatch mode sees)."""
+    loop by MemTracker, with the bucket buffers DDP's C++ reducer allocates (which no
+    dispatch mode sees) registered as external tensors: torch's default all-reduce hook,
+    wrapped to keep them (the same bytes as the reducer's own path)."""
     model, batch = made("gpt2")
     alone = rematlab.prepare(model, batch, step=Step(optimizer=torch.optim.AdamW))
     budget = alone.measure(alone.unconstrained)
@@ -162,21 +164,30 @@ def ddp_worker(rank: int, world: int) -> dict:
     plan = planning.choose(budget)
     planned = rematlab.apply(copy.deepcopy(model), plan)
     ddp = DistributedDataParallel(planned)
-    buckets = sum(int(b) for b in ddp._get_ddp_logging_data()["bucket_sizes"].split(","))
+    kept = {}
+
+    def hook(state, bucket):
+        kept[bucket.index()] = bucket.buffer()
+        return allreduce_hook(state, bucket)
+    ddp.register_comm_hook(None, hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     _user_step(ddp, opt, batch)
+    _user_step(ddp, opt, batch)  # DDP rebuilds its buckets at the second step
+    buckets = list(kept.values())
     tracker = MemTracker()
-    tracker.track_external(ddp, opt, *tensors(batch))
+    tracker.track_external(ddp, opt, *tensors(batch), *buckets)
     with tracker:
         _user_step(ddp, opt, batch)
     step_peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     read_back = rematlab.prepare(DistributedDataParallel(copy.deepcopy(model)), batch,
                                  step=Step(optimizer=torch.optim.AdamW))
     return {"read_back": [read_back.step.layout.kind, read_back.rank(plan).peak],
-            "budget": budget, "plan": plan.describe(), "alone": alone.choose(budget).describe(),
-            "measured": plan.measured_peak, "buckets": buckets,
+            "budget": budget, "plan": plan.describe(), "plan_json": plan.to_json(),
+            "alone": alone.measure(plan),
+            "measured": plan.measured_peak,
+            "buckets": sum(b.untyped_storage().nbytes() for b in buckets),
             "grads": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "user": step_peak + buckets}
+            "user": step_peak}
 
 
 def sharded_worker(rank: int, world: int) -> dict:

@@ -7,7 +7,7 @@ import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rematlab.exceptions import ConfigError
@@ -24,15 +24,20 @@ def bounded(name: str, value: int, high: int, low: int = 1) -> int:
 
 
 @contextlib.contextmanager
-def user_code(failed: str) -> Iterator[None]:
-    """Runs the user's code (an import, a factory). Any failure of it is bad input reported
-    as `failed: <error>`, including `sys.exit` and other `BaseException`s: a factory that
-    exits must not end rematlab silently with its status. Ctrl-C stays Ctrl-C."""
+def user_code(failed: str, passes: Callable[[BaseException], bool] = lambda _: False
+              ) -> Iterator[None]:
+    """Runs the user's code (an import, a factory, a step function). Any failure of it is
+    bad input reported as `failed: <error>`, including `sys.exit` and other
+    `BaseException`s: a factory that exits must not end rematlab silently with its status.
+    Ctrl-C stays Ctrl-C, and what `passes` accepts goes on as it is (an out-of-memory error
+    inside a step function is a result, not the user's mistake)."""
     try:
         yield
     except (KeyboardInterrupt, ConfigError):
         raise
     except BaseException as exc:
+        if passes(exc):
+            raise
         detail = (f"exit({exc.code})" if isinstance(exc, SystemExit)
                   else str(exc).splitlines()[0] if str(exc) else "")
         raise ConfigError(f"{failed}: {type(exc).__name__}: {detail}") from None

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from rematlab.exceptions import ConfigError
 
 _DTYPES = ("bf16", "fp16", "fp32")
+# DDP bucket sizes that mean something: from 1 KiB (below it every parameter is reduced alone,
+# whatever the number says) to 1 TiB (one bucket for any model)
+MIN_BUCKET_MB, MAX_BUCKET_MB = 2.0 ** -10, 2.0 ** 20
 
 
 def _world(world_size: int | None) -> None:
@@ -64,6 +67,10 @@ class FSDP:
                     or not all(isinstance(u, str) and u for u in self.units):
                 raise ConfigError("FSDP units are module names, e.g. ('model.layers.0', ...), "
                                   f"got {self.units!r}"[:200])
+            repeated = sorted({u for u in self.units if self.units.count(u) > 1})
+            if repeated:
+                raise ConfigError(f"FSDP unit {repeated[0]!r} is listed twice: fully_shard "
+                                  "goes on each module once")
             object.__setattr__(self, "units", tuple(self.units))
         if not isinstance(self.reshard_after_forward, bool):
             raise ConfigError("reshard_after_forward must be True or False")
@@ -100,8 +107,9 @@ class DDP:
         _world(self.world_size)
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb,
                                                                   (int, float)) \
-                or not 0 < self.bucket_cap_mb < float("inf"):
-            raise ConfigError(f"bucket_cap_mb must be a positive number, got "
+                or not MIN_BUCKET_MB <= self.bucket_cap_mb <= MAX_BUCKET_MB:
+            raise ConfigError(f"bucket_cap_mb must be a number of MiB in [{MIN_BUCKET_MB:g}, "
+                              f"{MAX_BUCKET_MB:g}] (torch's default: 25), got "
                               f"{self.bucket_cap_mb!r}")
 
     def describe(self) -> str:

@@ -47,7 +47,8 @@ from rematlab.core.batch import Batch, tensors
 from rematlab.core.clocks import Clock
 from rematlab.core.layout import DDP, FSDP, check_layout
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
-from rematlab.core.steps import PHASES, LossFn, forward, is_oom
+from rematlab.core.checks import user_code
+from rematlab.core.steps import PHASES, LossFn, checked_loss, forward, is_oom
 from rematlab.exceptions import ConfigError
 
 StepFn = Callable[[nn.Module, Batch], torch.Tensor]  # fn(model, batch) -> loss
@@ -86,6 +87,15 @@ class Step:
                                           and 0 < self.clip < float("inf")):
             raise ConfigError(f"clip (the max gradient norm) must be a positive number, got "
                               f"{self.clip!r}")
+        for name in ("set_to_none", "output_alive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.scaler is not None and not isinstance(self.scaler, bool):
+            raise ConfigError(f"scaler must be True, False or None (a GradScaler exactly with "
+                              f"fp16), got {self.scaler!r}")
+        if isinstance(self.clip, bool):
+            raise ConfigError(f"clip is the max gradient norm (a positive number, or None for "
+                              f"no clipping), got {self.clip!r}")
         opt = self.optimizer
         if isinstance(opt, str) and opt not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {opt!r}; choose one of "
@@ -97,6 +107,7 @@ class Step:
         if self.optimizer_kwargs and isinstance(opt, str):
             raise ConfigError("optimizer_kwargs go with an optimizer class (torch.optim.AdamW, "
                               "...), not a name")
+        _check_optimizer(opt, self.optimizer_kwargs)
         if self.scaler and self.autocast != torch.float16:
             raise ConfigError("a GradScaler goes with fp16 autocast (precision='fp16')")
         for name in ("loss_fn", "fn"):
@@ -159,18 +170,9 @@ class Step:
         device = _device_of(model, batch)
         with self.autocast_region(device):
             if self.fn is not None:
-                try:
+                with user_code("the step function fails", passes=is_oom):
                     loss = self.fn(model, batch)
-                except Exception as exc:  # the user's code: bad input, unless memory ran out
-                    if is_oom(exc):
-                        raise
-                    raise ConfigError(f"the step function fails: {type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                                      ) from exc
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                    raise ConfigError("the step function must return the loss, a scalar "
-                                      f"tensor (got {type(loss).__name__})")
-                return None, loss
+                return None, checked_loss(loss, "the step function")
             return forward(model, batch, self.loss_fn)
 
     def backward_passes(self, run: Callable, batch: Batch, owner: nn.Module) -> None:
@@ -341,6 +343,28 @@ def as_step(step: Step | None = None, optimizer: Any = "momentum",
         raise ConfigError("say the step once: optimizer= and loss_fn= belong inside "
                           "step=Step(...)")
     return step
+
+
+def _check_optimizer(opt: Any, kwargs: Any) -> None:
+    """An optimizer class and keywords the user's loop can run as `Step` runs it: keywords in
+    a mapping of names, accepted by the class (tried on one probe parameter, so that a bad
+    value fails here, not inside a profile), and a `step()` without a closure (L-BFGS
+    re-evaluates the loss inside its step, a different loop from the one planned)."""
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(f"optimizer_kwargs must be a mapping of keyword names to values, "
+                          f"e.g. {{'lr': 1e-3}}, got {kwargs!r}"[:200])
+    if not isinstance(opt, type):
+        return
+    closure = inspect.signature(opt.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"{opt.__name__} needs a closure in step() (it re-evaluates the "
+                          "loss), a loop rematlab does not plan: choose an optimizer whose "
+                          "step() takes no arguments")
+    try:
+        opt([torch.zeros(1, requires_grad=True)], **kwargs)
+    except Exception as exc:  # the user's class and keywords: bad input
+        raise ConfigError(f"{opt.__name__}(**{dict(kwargs)}) fails: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer) -> tuple[type, dict]:

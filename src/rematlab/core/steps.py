@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rematlab.core.batch import Batch, call, first_float
+from rematlab.core.checks import user_code
 from rematlab.exceptions import ConfigError, SimulatedOOM
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # loss_fn(output, batch), as the user gives it
@@ -62,9 +63,38 @@ def default_loss(out: Any, batch: Batch) -> torch.Tensor:
 
 def forward(model: Callable, batch: Batch, loss_fn: LossFn | None = None
             ) -> tuple[Any, torch.Tensor]:
-    """The output of `model` on `batch` and its loss (the user's, or `default_loss`)."""
+    """The output of `model` on `batch` and its loss (the user's, or `default_loss`), one
+    backward can start from (`checked_loss`); what the user's `loss_fn` raises is theirs."""
     out = call(model, batch)
-    return out, (loss_fn or default_loss)(out, batch)
+    return out, loss_of(out, batch, loss_fn)
+
+
+def loss_of(out: Any, batch: Batch, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """The loss of `out`: the user's `loss_fn(out, batch)` (what it raises is theirs), else
+    `default_loss`; checked (`checked_loss`)."""
+    if loss_fn is None:
+        return checked_loss(default_loss(out, batch), "the model's loss")
+    with user_code("the loss function fails", passes=is_oom):
+        loss = loss_fn(out, batch)
+    return checked_loss(loss, "the loss function")
+
+
+def checked_loss(loss: object, source: str) -> torch.Tensor:
+    """`loss` if backward can start from it: a real floating-point scalar that requires
+    grad (when gradients are on). Anything else is the user's input, said in one line,
+    rather than autograd's error from deep inside the step."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+               else type(loss).__name__)
+        raise ConfigError(f"{source} must give the loss as a scalar tensor, got {got}")
+    if not loss.is_floating_point():
+        raise ConfigError(f"{source} gave a {str(loss.dtype).removeprefix('torch.')} loss: "
+                          "backward starts from a real floating-point scalar")
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise ConfigError(f"{source} gave a loss that does not require grad (computed under "
+                          "torch.no_grad(), detached, a constant, or from no trainable "
+                          "parameter): backward cannot start from it")
+    return loss
 
 
 @contextlib.contextmanager

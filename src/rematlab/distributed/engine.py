@@ -16,6 +16,7 @@ a CUDA rank by the caching allocator's `max_memory_allocated`.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ from rematlab.remat.strategies import apply
 from rematlab.remat.tracing import meta_copy
 
 PARAMS, STATE, INPUTS = "parameter shards", "optimizer state", "batch and buffers"
+WHOLE = "parameters"  # a DDP rank holds each whole
+BUCKETS = "gradient buckets"
 
 
 @dataclass(frozen=True)
@@ -87,29 +90,42 @@ class RankEngine:
             twin = meta_copy(self.model)  # never a second whole model in memory
             units = [twin.get_submodule(n) for n in self.units]
             planned = apply(twin, chosen, blocks=self.layers)
+            fsdp = isinstance(self.layout, FSDP)
             if fake:
-                planned = shard(planned, units, self.layout, mesh)
+                # DDP is not built on fakes: its constructor reads the parameters' values
+                # and its reducer's C++ hooks return nothing under fake tensors. Nor is it
+                # needed: a DDP rank holds the unsharded step plus the gradient buckets,
+                # which `_metered` adds in closed form (`ddp_buckets`)
+                if fsdp:
+                    planned = shard(planned, units, self.layout, mesh)
                 with self.session.active():
-                    planned.to_empty(device="cpu")
+                    to_empty(planned, "cpu", tied=not fsdp)
                     return self._metered(planned, self.session.batch(self.batch),
                                          readable=False)
             # FSDP shards first, so that each rank allocates its shards only; DDP broadcasts
             # the parameters as it wraps them, so real ones come first
-            fsdp = isinstance(self.layout, FSDP)
             if fsdp:
                 planned = shard(planned, units, self.layout, mesh)
-            planned.to_empty(device=next(tensors(self.batch)).device)
+            to_empty(planned, next(tensors(self.batch)).device, tied=not fsdp)
             fill(planned, self.source or self.model)
+            buckets = None
             if not fsdp:
                 planned = shard(planned, units, self.layout, mesh)
-            return self._metered(planned, self.batch, readable=True)
+                buckets = Buckets()
+                planned.register_comm_hook(None, buckets.hook)
+            return self._metered(planned, self.batch, readable=True, buckets=buckets)
 
-    def _metered(self, model: nn.Module, batch: Batch, readable: bool) -> RankPeak:
+    def _metered(self, model: nn.Module, batch: Batch, readable: bool,
+                 buckets: Buckets | None = None) -> RankPeak:
         optimizer = self.step.make_optimizer(
             model.parameters(), cuda=self.session is not None and self.session.cuda)
-        self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
+        # warm-up: the first step makes the optimizer state; DDP's reducer rebuilds its
+        # buckets in the order the gradients arrived at the second: the third is the
+        # steady step a user's loop repeats
+        for _ in range(2 if buckets is not None else 1):
+            self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
         cuda = self.device_type == "cuda"
-        if cuda:
+        if cuda:  # the allocator sees the buckets (resident since the reducer made them)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.step.train_step(model, batch, optimizer=optimizer)
@@ -117,22 +133,67 @@ class RankEngine:
                 "torch.cuda.max_memory_allocated"
         else:
             tracker = RankTracker(self.unit)
-            tracker.track(model.parameters(), PARAMS)
+            tracker.track(model.parameters(),
+                          PARAMS if isinstance(self.layout, FSDP) else WHOLE)
             tracker.track(_state(optimizer), STATE)
             tracker.track([*model.buffers(), *tensors(batch)], INPUTS)
+            if buckets is not None:
+                tracker.track(buckets.tensors(), BUCKETS)
             with tracker:
                 self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
             peak, split, method = tracker.peak, tracker.at_peak, tracker.method
-        # resident beyond the tracked tensors: DDP's buckets (made in C++ at construction,
-        # seen by CUDA's allocator but by no dispatch mode), a CUDA target's BLAS workspaces
-        extra = {"gradient buckets": ddp_buckets(model)
-                 if isinstance(self.layout, DDP) and not cuda else 0,
+        # resident beyond the tracked tensors: a predicted DDP rank's buckets (no DDP runs
+        # there), a CUDA target's BLAS workspaces
+        extra = {BUCKETS: ddp_buckets(model) if isinstance(self.layout, DDP)
+                 and self.session is not None else 0,
                  "BLAS workspaces": self.extra}
         extra = {k: v for k, v in extra.items() if v}
         peak += sum(extra.values())
         if self.session is None and self.world_size > 1:
             peak = _largest(peak, "cuda" if cuda else "cpu")
         return RankPeak(peak, self.world_size, method, {**split, **extra})
+
+
+def to_empty(model: nn.Module, device: str | torch.device, tied: bool) -> None:
+    """`model.to_empty(device=...)`, and with `tied` its shared parameters shared again:
+    torch's `to_empty` gives each module its own copy of a parameter two modules share,
+    so a language model's tied embedding and head would be two tensors on the rank. (An
+    FSDP2 model is sharded before it is materialised, and keeps its parameters as its
+    parameter groups hold them.)"""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    if tied:
+        for module in model.modules(remove_duplicate=False):
+            for name, p in module.named_parameters(recurse=False):
+                places.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, name), *others in places.values():
+        for module, other in others:
+            setattr(module, other, getattr(first, name))
+
+
+class Buckets:
+    """torch's default DDP all-reduce as a comm hook (`allreduce_hook`: each bucket divided
+    by the world size in place, then summed; the same bytes as the reducer's own path) that
+    remembers each bucket's storage. The C++ reducer allocates the buckets where no dispatch
+    mode sees them: a CPU rank's meter registers them as resident before the step, rather
+    than meeting them halfway through backward. Weak references: a rebuilt bucket's old
+    storage goes as it would without the hook."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, weakref.ref] = {}
+
+    # no annotations: DDP checks a hook's against its own types, and here they are strings
+    def hook(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._storages[bucket.index()] = weakref.ref(bucket.buffer().untyped_storage())
+        return allreduce_hook(state, bucket)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """A tensor on each live bucket's storage (for a tracker to register)."""
+        alive = [ref() for ref in self._storages.values()]
+        return [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+                for s in alive if s is not None]
 
 
 def ddp_buckets(model: nn.Module) -> int:

@@ -26,7 +26,9 @@ def unit_names(model: nn.Module, layout: FSDP | DDP, layers: list[str]) -> list[
         if name not in names or name == "":
             raise ConfigError(f"FSDP unit {name!r} is not a module of the model (units are "
                               "names such as 'model.layers.0'; the root is sharded anyway)")
-    return list(layout.units)
+    # fully_shard goes on a module after the units inside it (torch refuses a parent first):
+    # deepest first, the order the user gave kept among units of one depth
+    return sorted(layout.units, key=lambda n: -n.count("."))
 
 
 def unit_params(model: nn.Module, units: list[str]) -> list[list[nn.Parameter]]:

@@ -96,7 +96,8 @@ class Planning:
                 return self.floor
             return max(with_margin(self.floor), self._reserved(self.solution.frontier[0]) or 0)
         if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
-            return self._measure_cached(self.solution.frontier[0])
+            floor = self._measure_cached(self.solution.frontier[0])
+            return floor if self.target is None else with_margin(floor)  # a fake group's
         floor = max(self.floor, self._measure_cached(self.solution.frontier[0]))
         lowest = self.compiled.floor() if self.compiled is not None else None
         return floor if lowest is None else min(floor, lowest)
@@ -184,7 +185,11 @@ class Planning:
                 continue
             known = candidate.describe() in self._measured
             measured = self._measure_cached(candidate, limit)
-            if measured <= limit:
+            if self.target is not None:  # one rank run on a fake group: predicted, margin kept
+                if measured <= room(limit):
+                    return replace(self._named(candidate, name, limit),
+                                   predicted_peak=measured)
+            elif measured <= limit:
                 return replace(self._named(candidate, name, limit), measured_peak=measured)
             tried += 0 if known else 1
             if tried >= _MAX_CORRECTIONS:

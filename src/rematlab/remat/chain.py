@@ -28,7 +28,7 @@ from rematlab.core.probes import (
     rounded,
 )
 from rematlab.core.recipe import Step
-from rematlab.core.steps import LossFn, default_loss, preserved, runs_on
+from rematlab.core.steps import LossFn, loss_of, preserved, runs_on
 from rematlab.core.timer import watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
@@ -172,7 +172,7 @@ def loss_peak(out: torch.Tensor, batch: torch.Tensor, step: Step, unit: int
     before = tracker.live
     with tracker:
         with step.autocast_region(y.device):
-            loss = (step.loss_fn or default_loss)(y, batch)
+            loss = loss_of(y, batch, step.loss_fn)
         loss.backward()
     return tracker.peak - before, rounded(loss.element_size() * loss.numel(), unit)
 
