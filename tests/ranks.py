@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import rematlab

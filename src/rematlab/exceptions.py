@@ -31,5 +31,11 @@ class SimulatedOOM(RematlabError, MemoryError):
     """A step's tracked live bytes exceeded the `max_memory` cap that emulates a smaller device."""
 
 
+class OutOfMemory(RematlabError, MemoryError):
+    """The device ran out of memory where no result can stand for it: the floor plan's step
+    itself, or the profile. A `MemoryError`, so that a search over batch sizes still reads it
+    as "does not fit"."""
+
+
 class StoreLockedError(RematlabError, OSError):
     """Another process is writing the same results database."""

@@ -108,8 +108,8 @@ class DDP:
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb,
                                                                   (int, float)) \
                 or not MIN_BUCKET_MB <= self.bucket_cap_mb <= MAX_BUCKET_MB:
-            raise ConfigError(f"bucket_cap_mb must be a number of MiB in [{MIN_BUCKET_MB:g}, "
-                              f"{MAX_BUCKET_MB:g}] (torch's default: 25), got "
+            raise ConfigError(f"bucket_cap_mb must be a number of MiB from 1/1024 (1 KiB) to "
+                              f"{MAX_BUCKET_MB:.0f} (1 TiB); torch's default is 25; got "
                               f"{self.bucket_cap_mb!r}")
 
     def describe(self) -> str:

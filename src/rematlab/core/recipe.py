@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, tensors
+from rematlab.core.checks import user_code
 from rematlab.core.clocks import Clock
 from rematlab.core.layout import DDP, FSDP, check_layout
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
-from rematlab.core.checks import user_code
 from rematlab.core.steps import PHASES, LossFn, checked_loss, forward, is_oom
 from rematlab.exceptions import ConfigError
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from rematlab.core.batch import Batch, call, first_float
 from rematlab.core.checks import user_code
-from rematlab.exceptions import ConfigError, SimulatedOOM
+from rematlab.exceptions import ConfigError, OutOfMemory, SimulatedOOM
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # loss_fn(output, batch), as the user gives it
 PHASES = ("forward", "backward", "optimizer")
@@ -127,6 +127,26 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+@contextlib.contextmanager
+def out_of_memory(what: str) -> Iterator[None]:
+    """Running out of memory inside as `OutOfMemory` (a rematlab error: one line from the
+    CLI) saying `what` ran out; other errors pass as they are."""
+    try:
+        yield
+    except OutOfMemory:
+        raise
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        raise OutOfMemory(f"{what} ran out of memory ({one_line(exc)})") from exc
 
 
 def runs_on(model: nn.Module, run: Callable, batch: Batch, name: str) -> None:

@@ -17,6 +17,13 @@ from rematlab.core.layout import DDP, FSDP
 from rematlab.exceptions import ConfigError
 
 
+# The largest FSDP shard group predicted: fully_shard makes N pieces of every parameter
+# (`_chunk_with_empty`), about 10 µs each on the fake group, so time grows with parameters x N
+# (mlp3: 3.5 s at 4,096 ranks, 66 s at 1,000,000). A DDP rank's bytes do not depend on N, and
+# its prediction builds no N-way structure, so any world size is predicted.
+MAX_PREDICTED_SHARDS = 4096
+
+
 def world_size(layout: FSDP | DDP, predict: bool) -> int:
     """The ranks a layout is for: its own count, else (measured) the process group's. A
     measured layout needs the user's process group, and one of that size."""
@@ -24,6 +31,12 @@ def world_size(layout: FSDP | DDP, predict: bool) -> int:
         if layout.world_size is None:
             raise ConfigError(f"a predicted {layout.kind.upper()} plan needs the world size: "
                               f"say how many ranks (--{layout.kind} N)")
+        if isinstance(layout, FSDP) and layout.world_size > MAX_PREDICTED_SHARDS:
+            raise ConfigError(f"a predicted FSDP plan runs one rank on a fake group, which "
+                              f"shards every parameter into N pieces: {layout.world_size} "
+                              f"ranks would take minutes. Predict at most "
+                              f"{MAX_PREDICTED_SHARDS} (the shard group of an HSDP job, "
+                              "which replicates across the rest)")
         return layout.world_size
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(f"a measured {layout.kind.upper()} plan runs on the job's process "

@@ -18,8 +18,8 @@ from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import ConfigError
-from rematlab.planning.budget import checked, is_auto
-from rematlab.planning.planner import Planning, derive, prepare
+from rematlab.planning.budget import checked, derive, is_auto
+from rematlab.planning.planner import Planning, prepare
 from rematlab.planning.shapes import ShapeBuckets, Shapes, covers, shapes_of, tiled
 from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import apply

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from rematlab.core.batch import tensors
 from rematlab.core.units import format_bytes, parse_bytes
 from rematlab.exceptions import ConfigError
 
@@ -127,3 +129,20 @@ def _cgroup_limit(root: Path) -> tuple[int, int, str] | None:
             return None
         return int(text), usage, str(root / limit_file)
     return None
+
+
+def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
+           ) -> DeviceBudget:
+    """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device has
+    (`resolve_budget`), where the model's parameters, buffers, the batch and `state` bytes of
+    optimizer state that already exist count as resident."""
+    return resolve_budget(budget, next(tensors(batch)).device, state + resident(model, batch))
+
+
+def resident(model: nn.Module, batch: object = ()) -> int:
+    """Bytes of the step's tensors that exist before it runs: `model`'s parameters and
+    buffers (a sharded parameter's local shard), and `batch`'s tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes()
+               for t in [*model.parameters(), *model.buffers(), *tensors(batch)])

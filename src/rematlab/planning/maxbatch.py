@@ -47,8 +47,8 @@ from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
-from rematlab.planning.budget import checked, resolve_budget
-from rematlab.planning.planner import Planning, prepare, resident
+from rematlab.planning.budget import checked, resident, resolve_budget
+from rematlab.planning.planner import Planning, prepare
 from rematlab.planning.predicted import card_budget, room
 from rematlab.planning.verify import step_peak
 from rematlab.plans.fixed import none_plan

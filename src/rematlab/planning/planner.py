@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.core.batch import check_batch, one_tensor, tensors, to_device
+from rematlab.core.batch import check_batch, tensors, to_device
 from rematlab.core.recipe import Step, as_step
-from rematlab.core.steps import LossFn, runs_on
+from rematlab.core.steps import LossFn, is_oom, one_line, out_of_memory, runs_on
 from rematlab.core.units import infeasible
 from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.distributed.group import world_size
-from rematlab.exceptions import ConfigError
-from rematlab.planning.budget import DeviceBudget, checked, resolve_budget
+from rematlab.exceptions import ConfigError, OutOfMemory
+from rematlab.planning.budget import DeviceBudget, checked, derive
 from rematlab.planning.compiled import FRACTIONS, CompiledCandidates, choose_compiled
 from rematlab.planning.predicted import (
     card_budget,
@@ -55,6 +55,7 @@ from rematlab.remat.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
 COMPILED_TOLERANCE = 0.25  # compiled graphs save less than their blocks compiled alone
+OOM = 1 << 62  # the measured peak of a step that ran out of memory: it fits no budget
 RANK_TOLERANCE = 0.10  # a sharded rank's simulated peaks, within 10 % of its runs (ranks.py)
 
 
@@ -101,7 +102,6 @@ class Planning:
         floor = max(self.floor, self._measure_cached(self.solution.frontier[0]))
         lowest = self.compiled.floor() if self.compiled is not None else None
         return floor if lowest is None else min(floor, lowest)
-
 
     @property
     def full(self) -> int:
@@ -217,13 +217,23 @@ class Planning:
                        compile_settings=settings(chosen.fraction) if self.compile else None)
 
     def _measure_cached(self, chosen: Plan, limit: int | None = None) -> int:
+        """`chosen`'s measured peak, once; a step that runs out of memory fits no budget
+        (`OOM`), and when that step is the floor plan's, nothing does (`OutOfMemory`)."""
         key = chosen.describe()
         if key not in self._measured:
-            if self.compiled is not None:  # a candidate too, timed when it fits `limit`
-                peak = self.compiled.peak(chosen, limit)
-                self._measured[key] = peak if peak is not None else 1 << 62
-            else:
-                self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
+            try:
+                if self.compiled is not None:  # a candidate too, timed when it fits `limit`
+                    peak = self.compiled.peak(chosen, limit)
+                    self._measured[key] = peak if peak is not None else OOM
+                else:
+                    self._measured[key] = self.measure(replace(chosen, compiled=self.compile))
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self._measured[key] = OOM
+                if chosen.describe() == self.solution.frontier[0].describe():
+                    raise OutOfMemory(f"even the smallest plan's step ({key}) runs out of "
+                                      f"memory on this device ({one_line(exc)})") from exc
         return self._measured[key]
 
     def rank(self, chosen: Plan) -> RankPeak:
@@ -270,23 +280,6 @@ class Planning:
     def baselines(self, budget: int | None = None) -> list[dict]:
         """Simulated peak and time of the fixed strategies this model can run."""
         return strategy_table(self.costs, budget, per_layer=self.structure.kind == "layers")
-
-
-def derive(budget: str | int, model: nn.Module, batch: object, state: int = 0
-           ) -> DeviceBudget:
-    """`budget` in bytes, with how it was derived: a size, or 'auto' for what this device has
-    (`rematlab.planning.budget`), where the model's parameters, buffers, the batch and `state` bytes
-    of optimizer state that already exist count as resident."""
-    return resolve_budget(budget, next(tensors(batch)).device, state + resident(model, batch))
-
-
-def resident(model: nn.Module, batch: object = ()) -> int:
-    """Bytes of the step's tensors that exist before it runs: `model`'s parameters and
-    buffers (a sharded parameter's local shard), and `batch`'s tensors."""
-    from torch.distributed.tensor import DTensor
-
-    return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes()
-               for t in [*model.parameters(), *model.buffers(), *tensors(batch)])
 
 
 def prepare(
@@ -348,13 +341,16 @@ def prepare(
     batch = to_device(example_inputs, dev)
     repeats = 1 if dev.type == "cpu" else 3
     if st.kind == "layers":  # its first forward (`capture`) checks the batch
-        with compiling():
+        with compiling(), out_of_memory("the profile (every activation kept, one layer "
+                                        "at a time)"):
             costs = profile_layers(profiled, batch, st.blocks, step=user_step,
                                    repeats=repeats, compile=compile, ops=ops)
     else:
-        runs_on(profiled, profiled, batch, type(model).__name__)
-        costs = profile_chain(st.blocks, one_tensor(batch), device=dev, repeats=repeats,
-                              compile=compile, ops=ops, step=user_step)
+        with out_of_memory("the profile (every activation kept, one block at a time)"):
+            if user_step.fn is None:  # a step function is tried on it by `profile_chain`
+                runs_on(profiled, profiled, batch, type(model).__name__)
+            costs = profile_chain(st.blocks, batch, device=dev, repeats=repeats,
+                                  compile=compile, ops=ops, step=user_step)
     engine = None
     if user_step.layout is not None:
         costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rematlab.core.batch import one_tensor, tensors
+from rematlab.core.batch import tensors
 from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget, is_auto
@@ -53,7 +53,7 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
     if st.kind == "layers":
         costs = profile_layers(model, batch, st.blocks, step=step, target=tgt, ops=ops)
     else:
-        costs = profile_chain(st.blocks, one_tensor(batch), target=tgt, ops=ops, step=step)
+        costs = profile_chain(st.blocks, batch, target=tgt, ops=ops, step=step)
     return with_resident(costs, tgt.blas_resident), tgt
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rematlab.core.batch import one_tensor, tensors
+from rematlab.core.batch import tensors
 from rematlab.core.probes import StepMemory, one_phase, peak_of
 from rematlab.core.recipe import Step
 from rematlab.core.steps import preserved
@@ -53,7 +53,7 @@ def planned_step(st: Structure, model: nn.Module, chosen: Plan, batch: object) -
                            chosen.compiled)
     remat = RematChain(st.blocks, chosen)
     return PlannedStep(remat, compiled(remat) if chosen.compiled else remat,
-                       RematChain(st.blocks, none_plan(len(st.blocks))), one_tensor(batch),
+                       RematChain(st.blocks, none_plan(len(st.blocks))), batch,
                        chosen.compiled)
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from rematlab.core import flops as flop_count
+from rematlab.core.batch import Batch, one_tensor, tensors, to_device
 from rematlab.core.probes import (
     LiveTensorTracker,
     rounded,
@@ -41,7 +43,7 @@ from rematlab.remat.tracing import meta_copy
 
 def profile_chain(
     blocks: list[nn.Module],
-    example_input: torch.Tensor,
+    example_input: Batch,
     device: torch.device | None = None,
     optimizer: str | None = "sgd",
     repeats: int = 3,
@@ -58,8 +60,11 @@ def profile_chain(
     rounds every allocation up to the allocator's block size (512 for CUDA predictions).
     With `ops`, each block also gets its menu of op-level options (`rematlab.remat.ops`).
     With a `target`, the blocks and the input are fake twins (`rematlab.preflight`): bytes
-    as a real run's, times the roofline's on the target; nothing is allocated or run."""
-    device = device or example_input.device
+    as a real run's, times the roofline's on the target; nothing is allocated or run.
+    `example_input` is the chain's input tensor, or under the user's step function
+    (`step.fn`) the batch the function takes, which it runs (`chain_input`,
+    `step_fn_excess`)."""
+    device = device or next(tensors(example_input)).device
     step = step or Step(optimizer=optimizer, loss_fn=loss_fn)
     meta = device.type == "meta" and target is None  # a target prices meta batches as fakes
     predicted = meta or target is not None
@@ -69,10 +74,8 @@ def profile_chain(
         raise ConfigError("op-level options are profiled: not on the meta device (use a "
                           "target)")
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
-    run, x = _runnable(blocks, example_input, device, session, meta)
+    run, batch = _runnable(blocks, example_input, device, session, meta)
     unit = target.unit if target is not None else unit
-    batch = x  # what the loss is given besides the output
-    base_input = rounded(x.element_size() * x.numel(), unit)
     fields: dict[str, list] = {k: [] for k in (
         "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem", "grad",
         "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range", "cast",
@@ -82,9 +85,9 @@ def profile_chain(
              else watched("the blocks' forward and backward times"))
     repeated = Repeats()
     with watch:
-        if session is not None:  # a batch the model cannot take is bad input, said in one line
-            twin = nn.Sequential(*run)
-            runs_on(twin, twin, x, "the model (pre-flight)")
+        x = first = chain_input(nn.Sequential(*run), batch, step,
+                                "the model (pre-flight)" if session is not None else None)
+        base_input = rounded(x.element_size() * x.numel(), unit)
         for i, block in enumerate(run):
             x_in = block_input(x, needs_grad=i > 0)
             fwd = step.in_region(block, x_in.device)
@@ -105,7 +108,8 @@ def profile_chain(
             fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
         state, transient = optimizer_memory([p for b in run for p in b.parameters()],
                                             step, unit, cuda_target(target))
-        peak, loss_bytes = loss_peak(x, batch, step, unit)
+        peak, loss_bytes = loss_peak(x, first, step, unit)
+        beyond = step_fn_excess(nn.Sequential(*run), batch, first, step, unit)
     out_bytes = fields["x"][-1]
     fields["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
     if step.autocast is None:
@@ -119,24 +123,23 @@ def profile_chain(
         # (from the loss's backward until the last block's, then the next gradient's place);
         # every gradient when they are resident
         base=params_bytes + state + base_input + 2 * out_bytes + 2 * loss_bytes
-        + (grads if step.grads_resident else 0),
+        + (grads if step.grads_resident else 0) + beyond,
         loss_mem=peak - out_bytes - 2 * loss_bytes,
         state=state,
         # the output and the loss are still alive in the user's loop
         optimizer_peak=params_bytes + grads + state + transient + base_input + out_bytes
-        + loss_bytes,
+        + loss_bytes + beyond,
     )
 
 
-def _runnable(blocks: list[nn.Module], example_input: torch.Tensor, device: torch.device,
-              session: FakeSession | None, meta: bool
-              ) -> tuple[list[nn.Module], torch.Tensor]:
-    """The blocks and the input a chain is profiled on: fake twins for a target's
-    `session`, meta copies on the meta device, else the blocks themselves and the input on
+def _runnable(blocks: list[nn.Module], batch: Batch, device: torch.device,
+              session: FakeSession | None, meta: bool) -> tuple[list[nn.Module], Batch]:
+    """The blocks and the batch a chain is profiled on: fake twins for a target's
+    `session`, meta copies on the meta device, else the blocks themselves and the batch on
     `device`."""
     if session is not None:
-        return [session.model(b) for b in blocks], session.batch(example_input)
-    return [meta_copy(b) for b in blocks] if meta else blocks, example_input.to(device)
+        return [session.model(b) for b in blocks], session.batch(batch)
+    return [meta_copy(b) for b in blocks] if meta else blocks, to_device(batch, device)
 
 
 def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, repeats: int, unit: int,
@@ -157,6 +160,52 @@ def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, repeats: i
             r["options"] = block_menu(block, fwd, x_in, r, repeats=repeats, unit=unit,
                                       target=target, compile=compile)
     return r
+
+
+def chain_input(twin: nn.Sequential, batch: Batch, step: Step, check: str | None
+                ) -> torch.Tensor:
+    """The tensor the chain's first block takes: the batch, or under a step function what
+    the function passes to the model, caught on the way in during one run of it without
+    gradients (the model's state restored). `check` names the model when the batch must be
+    tried on it first (pre-flight: a batch the model cannot take is bad input, said once)."""
+    if step.fn is None:
+        x = one_tensor(batch)
+        if check is not None:
+            runs_on(twin, twin, x, check)
+        return x
+    seen: list[torch.Tensor] = []
+    hook = twin[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0])
+                                             if not seen else None)
+    try:
+        with torch.no_grad(), preserved(twin):
+            step.forward(twin, batch)
+    finally:
+        hook.remove()
+    if not seen or not isinstance(seen[0], torch.Tensor):
+        raise ConfigError("the step function never ran the model on a tensor: it must call "
+                          "model(x) (a chain takes one tensor)")
+    return seen[0].detach()
+
+
+def step_fn_excess(twin: nn.Sequential, batch: Batch, first: torch.Tensor, step: Step,
+                   unit: int) -> int:
+    """Bytes a user's step function holds beyond rematlab's own step on the same chain
+    (a teacher's output, a regulariser's temporaries, a second forward): one micro-batch of
+    each, every block kept, both metered alike; 0 without a step function. The chain's costs
+    carry them through the whole step, which is exact for the plan that keeps everything and
+    on the safe side for the others (when the function holds them is not known)."""
+    if step.fn is None:
+        return 0
+
+    def peak(own: Step, given: Batch) -> int:
+        tracker = LiveTensorTracker(unit=unit)
+        with preserved(twin):
+            tracker.track([*twin.parameters(), *twin.buffers(), *tensors(batch), first])
+            before = tracker.live
+            with tracker:
+                own.micro_batch(twin, given)
+        return tracker.peak - before
+    return max(0, peak(step, batch) - peak(replace(step, fn=None), first))
 
 
 def loss_peak(out: torch.Tensor, batch: torch.Tensor, step: Step, unit: int

@@ -17,9 +17,10 @@ same strings work in Python, on the CLI and in grid files.
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -196,8 +197,7 @@ def apply(
     if isinstance(model, RematChain):
         model, blocks = nn.Sequential(*model.blocks), None
     st = structure(model, example_input, blocks)
-    strat = strategy if isinstance(strategy, Plan) else (
-        parse(strategy) if isinstance(strategy, str) else strategy)
+    strat = as_strategy(strategy)
     if isinstance(strat, Plan):  # a compiled plan holds under its measured settings only
         compiled_budget.check(strat.fraction, strat.compile_settings)
     if st.kind == "layers":
@@ -215,6 +215,22 @@ def apply(
         chosen = strat.build(st.n_blocks, costs)
     remat = RematChain(st.blocks, chosen)
     return remat if st.how in ("sequential", "given") else attach(model, remat)
+
+
+def as_strategy(strategy: object) -> Strategy | Plan:
+    """A strategy or plan from what `apply` was given: a `Plan`, a `Strategy`, a strategy's
+    name ("every:2"), or a plan as a mapping (`json.loads(plan.to_json())`)."""
+    if isinstance(strategy, (Plan, Strategy)):
+        return strategy
+    if isinstance(strategy, str):
+        return parse(strategy)
+    if isinstance(strategy, Mapping):
+        try:
+            return Plan.from_json(json.dumps(dict(strategy)))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ConfigError(f"not a plan: {type(exc).__name__}: {exc}"[:300]) from None
+    raise ConfigError(f"a strategy is a name ('every:2'), a rematlab.Plan or a plan's JSON as a "
+                      f"dict, got {type(strategy).__name__}")
 
 
 def layer_plan(strat: Strategy | Plan, st: Structure, model: nn.Module, example: object
