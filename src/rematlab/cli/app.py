@@ -66,7 +66,8 @@ Optimizer = Annotated[str, typer.Option(
     help="sgd, momentum, adam, adamw, mixed-adamw (AdamW state in fp32), none")]
 Precision = Annotated[str, typer.Option(
     help="the step's autocast: fp32 (none), bf16, or fp16 (with a GradScaler), as the user's "
-         "trainer runs it (HF bf16=True, Lightning bf16-mixed)")]
+         "trainer runs it (HF bf16=True, Lightning bf16-mixed); bf16-true, 16-true: the "
+         "weights in that dtype, no autocast (Lightning)")]
 MicroBatches = Annotated[int, typer.Option(
     help="forwards per optimizer step (gradient accumulation): every gradient stays alive")]
 Clip = Annotated[float | None, typer.Option(help="clip_grad_norm_ to this norm before the "

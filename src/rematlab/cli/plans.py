@@ -38,6 +38,7 @@ from rematlab.cli.app import (
     handles_errors,
 )
 from rematlab.core.files import write_text
+from rematlab.core.optimizers import OPTIMIZERS
 from rematlab.core.units import format_bytes, parse_bytes
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import checked, is_auto
@@ -58,7 +59,7 @@ def measure(
     blocks: Blocks = None,
     device: str = "cpu",
     dtype: str = "float32",
-    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam")] = "momentum",
+    optimizer: Annotated[str, typer.Option(help=", ".join(OPTIMIZERS))] = "momentum",
     precision: Annotated[str, typer.Option(
         help="fp32, bf16 or fp16: the step's autocast (fp16 with a GradScaler)")] = "fp32",
     warmup: int = 2,

@@ -25,23 +25,41 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update (alpha / rank)·B·A, B starting
-    at zero so the adapted model starts as the base (alpha defaults to the rank: scale 1)."""
+    """A frozen linear layer (`nn.Linear` or transformers' `Conv1D`) plus a trainable
+    low-rank update (alpha / rank)·B·A, B starting at zero so the adapted model starts as the
+    base (alpha defaults to the rank: scale 1)."""
 
-    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float | None = None) -> None:
+    def __init__(self, base: nn.Module, rank: int = 4, alpha: float | None = None) -> None:
         super().__init__()
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
         self.scale = (alpha if alpha is not None else rank) / rank
         like = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.a = nn.Parameter(torch.randn(rank, base.in_features, **like)
-                              / math.sqrt(base.in_features))
-        self.b = nn.Parameter(torch.zeros(base.out_features, rank, **like))
+        fan_in, fan_out = features(base)
+        self.a = nn.Parameter(torch.randn(rank, fan_in, **like) / math.sqrt(fan_in))
+        self.b = nn.Parameter(torch.zeros(fan_out, rank, **like))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(x, self.a), self.b)
         return self.base(x) + (update if self.scale == 1 else self.scale * update)
+
+
+def _conv1d() -> type | None:
+    """transformers' `Conv1D` (GPT-2's projections: a linear layer whose weight is stored
+    (in, out)), when transformers is installed."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+def features(layer: nn.Module) -> tuple[int, int]:
+    """A linear layer's (in, out) features: `nn.Linear`'s, or `Conv1D`'s transposed weight."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    return layer.weight.shape[0], layer.weight.shape[1]
 
 
 def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
@@ -50,15 +68,21 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
     `targets` (module docstring). Returns the model to train (peft wraps it)."""
     if rank < 1:
         raise ConfigError(f"a LoRA rank is at least 1, not {rank}")
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+    conv1d = _conv1d()
+    linear = (nn.Linear, conv1d) if conv1d is not None else (nn.Linear,)
+    found = {n: m for n, m in model.named_modules()
+             if isinstance(m, linear) and n.rsplit(".", 1)[-1] in targets}
+    names = list(found)
     if not names:
         raise ConfigError(f"{type(model).__name__} has no linear layer named like "
                           f"{', '.join(targets)}: nothing to adapt with LoRA")
     if importlib.util.find_spec("peft") is not None:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=names)
+        # Conv1D stores its weight transposed: peft's `fan_in_fan_out`, as for GPT-2
+        transposed = any(not isinstance(m, nn.Linear) for m in found.values())
+        config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=names,
+                            fan_in_fan_out=transposed)
         return get_peft_model(model, config)
     for p in model.parameters():
         p.requires_grad_(False)

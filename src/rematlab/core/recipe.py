@@ -12,6 +12,8 @@ HF's `TrainingArguments` describe the same loop):
   through the rest of the forward (`ChainCosts.cast`), and saved tensors have the dtypes
   autocast gives them. fp16 comes with a `torch.amp.GradScaler` (`scaler`), as every trainer
   pairs them: the loss is scaled, gradients are unscaled in place before clipping.
+  Lightning's "bf16-true" / "16-true" / "64-true" mean no autocast and the weights (and the
+  batch's floats) in that dtype: a plan is made on a copy so converted (`core.precision`).
 - `micro_batches`: forwards per optimizer step (gradient accumulation). From the second
   micro-batch on, every parameter's gradient is alive through the forward and backward
   (`grads_resident`); a plan made for one micro-batch would overshoot.
@@ -48,15 +50,11 @@ from rematlab.core.checks import user_code
 from rematlab.core.clocks import Clock
 from rematlab.core.layout import DDP, FSDP, check_layout
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
+from rematlab.core.precision import autocast_dtype, weights_dtype
 from rematlab.core.steps import PHASES, LossFn, checked_loss, forward, is_oom
 from rematlab.exceptions import ConfigError
 
 StepFn = Callable[[nn.Module, Batch], torch.Tensor]  # fn(model, batch) -> loss
-PRECISIONS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
-              "fp16": torch.float16, "float16": torch.float16, "16-mixed": torch.float16,
-              "16": torch.float16}
-FULL = ("fp32", "float32", "32", "32-true", "no", "none",  # no autocast (weights in their
-        "bf16-true", "16-true", "64-true")  # own dtype: Lightning "-true" precisions)
 
 
 @dataclass(frozen=True)
@@ -119,18 +117,13 @@ class Step:
 
     @property
     def autocast(self) -> torch.dtype | None:
-        """The autocast dtype, or None for a full-precision step."""
-        p = self.precision
-        if p is None or (isinstance(p, str) and p.lower() in FULL):
-            return None
-        if isinstance(p, torch.dtype):
-            if p in (torch.bfloat16, torch.float16):
-                return p
-            if p == torch.float32:
-                return None
-        elif isinstance(p, str) and p.lower() in PRECISIONS:
-            return PRECISIONS[p.lower()]
-        raise ConfigError(f"unknown precision {p!r}; choose bf16, fp16 or fp32")
+        """The autocast dtype, or None for a step without autocast."""
+        return autocast_dtype(self.precision)
+
+    @property
+    def weights(self) -> torch.dtype | None:
+        """The weights' dtype under a "-true" precision (`core.precision`), else None."""
+        return weights_dtype(self.precision)
 
     @property
     def scaled(self) -> bool:
@@ -304,7 +297,8 @@ class Step:
         """One line for people: `bf16 autocast, 4 micro-batches, clip 1.0, AdamW`."""
         d = self.to_dict()
         parts = [f"{d['precision']} autocast" + (" + GradScaler" if d["scaler"] else "")
-                 if self.autocast else "fp32",
+                 if self.autocast else f"{d['precision']} weights" if self.weights
+                 else "fp32",
                  f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}"]
         parts += [f"clip {self.clip:g}"] if self.clip is not None else []
         parts.append(str(d["optimizer"]).rsplit(".", 1)[-1] if self.optimizer else
@@ -318,8 +312,9 @@ class Step:
     def to_dict(self) -> dict:
         """What a plan records of the step it was made for (JSON-ready)."""
         opt = self.optimizer
-        return {"precision": str(self.autocast).removeprefix("torch.") if self.autocast
-                else "fp32",
+        low = self.autocast or self.weights
+        return {"precision": str(low).removeprefix("torch.") if low else "fp32",
+                "weights": str(self.weights).removeprefix("torch.") if self.weights else None,
                 "micro_batches": self.micro_batches, "clip": self.clip,
                 "optimizer": opt if opt is None or isinstance(opt, str)
                 else f"{opt.__module__}.{opt.__qualname__}",

@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rematlab.core.layout import DDP, FSDP
 from rematlab.exceptions import ConfigError
 
-
 # The largest FSDP shard group predicted: fully_shard makes N pieces of every parameter
 # (`_chunk_with_empty`), about 10 µs each on the fake group, so time grows with parameters x N
 # (mlp3: 3.5 s at 4,096 ranks, 66 s at 1,000,000). A DDP rank's bytes do not depend on N, and
@@ -73,8 +72,9 @@ def join_job(device: str) -> None:
     """Join the process group `torchrun` describes in the environment (RANK, WORLD_SIZE,
     MASTER_ADDR, ...), over NCCL for a GPU and gloo otherwise; nothing outside a job or when
     the group is up already (a measured layout then says how to run it)."""
-    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if dist.is_initialized() or not {"RANK", "WORLD_SIZE"} & os.environ.keys():
         return
+    job_environment()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         import torch
@@ -82,6 +82,29 @@ def join_job(device: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     atexit.register(_leave)  # after an error too: a rank that leaves first must not abort
+
+
+def job_environment() -> None:
+    """torchrun's variables, checked: a job has a RANK below its WORLD_SIZE (integers), a
+    LOCAL_RANK if any that is an integer, and the MASTER_ADDR and MASTER_PORT its ranks meet
+    at. A half-set environment is bad input, said once, not a traceback from the store."""
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ConfigError(f"a torchrun environment sets RANK, WORLD_SIZE, MASTER_ADDR and "
+                          f"MASTER_PORT; {', '.join(missing)} missing (run under torchrun, "
+                          "or unset RANK and WORLD_SIZE)")
+    values = {}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if key in env:
+            if not env[key].isdigit():
+                raise ConfigError(f"{key} must be a non-negative integer, got {env[key]!r}")
+            values[key] = int(env[key])
+    if not values["RANK"] < values["WORLD_SIZE"]:
+        raise ConfigError(f"RANK {values['RANK']} is not below WORLD_SIZE "
+                          f"{values['WORLD_SIZE']}")
+    if not 0 < values["MASTER_PORT"] < 65536:
+        raise ConfigError(f"MASTER_PORT must be a port number, got {env['MASTER_PORT']!r}")
 
 
 def leave_job() -> None:

@@ -11,11 +11,16 @@ output dies before backward (`training_step` returns the loss).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from rematlab.core.recipe import Step, optimizer_spec
+from torch import nn
+
+from rematlab.core.recipe import Step, StepFn, optimizer_spec
 from rematlab.core.steps import LossFn
 from rematlab.exceptions import ConfigError
+from rematlab.integrations import checked
 from rematlab.planning.planner import prepare
 from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import apply
@@ -49,24 +54,66 @@ def trainer_step(trainer: Any, loss_fn: LossFn | None = None) -> Step:
 def RematCallback(budget: str | int = "auto", attr: str = "model",
                   loss_fn: LossFn | None = None, **kwargs: Any) -> Any:
     """A Lightning callback planning `pl_module.<attr>` within `budget` on the first
-    training batch (other keywords are `rematlab.prepare`'s); the plan is `callback.plan`."""
+    training batch (other keywords are `rematlab.prepare`'s); the plan is `callback.plan`.
+    The step planned is the module's own `training_step` with the planned network in
+    place of `<attr>` (its `self.log` calls silenced while it is priced), however it hands
+    the batch to the network; with `loss_fn`, the network on the batch and
+    `loss_fn(out, batch)`. Checked when made; `<attr>` when the fit begins (`setup`)."""
     base = _callback_base()
+    checked("RematCallback", budget, kwargs)
+    if not (isinstance(attr, str) and attr.isidentifier()):
+        raise ConfigError(f"attr names the LightningModule's network attribute, e.g. 'model', "
+                          f"got {attr!r}"[:200])
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError("loss_fn must be callable")
 
     class _Remat(base):
         def __init__(self) -> None:
             super().__init__()
             self.plan: Plan | None = None
 
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            network(pl_module, attr)
+            if not pl_module.automatic_optimization:
+                raise ConfigError("rematlab plans Lightning's automatic optimization; this "
+                                  "module optimizes manually (automatic_optimization=False)")
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                  batch_idx: int) -> None:
             if self.plan is not None:
                 return
-            model = getattr(pl_module, attr, None)
-            if model is None:
-                raise ConfigError(f"{type(pl_module).__name__} has no network at .{attr}: "
-                                  "name it with RematCallback(attr=...)")
+            model = network(pl_module, attr)
             step = trainer_step(trainer, loss_fn)
+            if loss_fn is None:
+                step = replace(step, fn=_training_step(pl_module, attr, batch_idx))
             self.plan = prepare(model, batch, step=step, **kwargs).choose(budget)
             setattr(pl_module, attr, apply(model, self.plan, example_input=batch))
 
     return _Remat()
+
+
+def network(pl_module: Any, attr: str) -> nn.Module:
+    """The network the callback plans: `pl_module.<attr>`, an `nn.Module`."""
+    model = getattr(pl_module, attr, None)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{type(pl_module).__name__}.{attr} is "
+                          f"{'missing' if model is None else type(model).__name__}, not the "
+                          "network: name it with RematCallback(attr=...)")
+    return model
+
+
+def _training_step(pl_module: Any, attr: str, batch_idx: int) -> StepFn:
+    """The module's `training_step` as a step function: the network given in place of
+    `<attr>` while it runs, its loss (a tensor, or a dict's "loss"), and nothing logged."""
+
+    def fn(model: nn.Module, batch: Any) -> Any:
+        original = getattr(pl_module, attr)
+        setattr(pl_module, attr, model)
+        pl_module.log = pl_module.log_dict = lambda *_a, **_k: None
+        try:
+            out = pl_module.training_step(batch, batch_idx)
+        finally:
+            setattr(pl_module, attr, original)
+            del pl_module.log, pl_module.log_dict
+        return out.get("loss") if isinstance(out, Mapping) else out
+    return fn

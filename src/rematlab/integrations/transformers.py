@@ -19,6 +19,7 @@ import torch
 from rematlab.core.batch import tensors
 from rematlab.core.recipe import Step, optimizer_spec
 from rematlab.exceptions import ConfigError
+from rematlab.integrations import checked
 from rematlab.planning.planner import prepare
 from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import apply
@@ -47,7 +48,13 @@ def plan_trainer(trainer: Any, budget: str | int = "auto", **kwargs: Any) -> Pla
     (bytes, '6GiB' or 'auto'), install the planned model in the Trainer (before
     `trainer.train()`), and return the plan. Other keywords are `rematlab.prepare`'s
     (`blocks`, `ops`, `compile`)."""
+    checked("plan_trainer", budget, kwargs)
     step = trainer_step(trainer)
+    data = trainer.train_dataset
+    if data is None or (hasattr(data, "__len__") and len(data) == 0):
+        raise ConfigError("the Trainer has no training data (train_dataset is "
+                          f"{'None' if data is None else 'empty'}): a plan is made on its "
+                          "first batch")
     # reading a batch draws the sampler's seed from torch's RNG: the user's run must see the
     # same stream (the same data order, the same dropout masks) as without rematlab
     with torch.random.fork_rng(devices=[]):

@@ -23,21 +23,16 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import check_batch, tensors, to_device
+from rematlab.core.precision import as_trained
 from rematlab.core.recipe import Step, as_step
 from rematlab.core.steps import LossFn, is_oom, one_line, out_of_memory, runs_on
 from rematlab.core.units import infeasible
 from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.distributed.group import world_size
 from rematlab.exceptions import ConfigError, OutOfMemory
+from rematlab.planning import predicted as pred
 from rematlab.planning.budget import DeviceBudget, checked, derive
 from rematlab.planning.compiled import FRACTIONS, CompiledCandidates, choose_compiled
-from rematlab.planning.predicted import (
-    card_budget,
-    predicted_costs,
-    room,
-    with_margin,
-    with_resident,
-)
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.reserve import CardMemory, card_memory
 from rematlab.planning.verify import measure_planned, planned_step, strategy_table
@@ -95,10 +90,10 @@ class Planning:
         if not self.verify:
             if self.target is None:
                 return self.floor
-            return max(with_margin(self.floor), self._reserved(self.solution.frontier[0]) or 0)
+            return max(pred.with_margin(self.floor), self._reserved(self.solution.frontier[0]) or 0)
         if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
             floor = self._measure_cached(self.solution.frontier[0])
-            return floor if self.target is None else with_margin(floor)  # a fake group's
+            return floor if self.target is None else pred.with_margin(floor)  # a fake group's
         floor = max(self.floor, self._measure_cached(self.solution.frontier[0]))
         lowest = self.compiled.floor() if self.compiled is not None else None
         return floor if lowest is None else min(floor, lowest)
@@ -111,7 +106,7 @@ class Planning:
     def budget(self, budget: str | int) -> DeviceBudget:
         """`budget` in bytes, with how it was derived (`derive`; for a predicted GPU
         target, what the target has: `target_budget`)."""
-        return (card_budget(budget, self.target)
+        return (pred.card_budget(budget, self.target)
                 or derive(budget, self.model, self.batch))
 
     def interval(self, chosen: Plan) -> tuple[float, float]:
@@ -162,7 +157,7 @@ class Planning:
     def _predicted(self, limit: int, name: str) -> Plan:
         """A predicted plan keeps a margin free, since it is not measured; on a GPU target
         its reserved peak on the card fits too (stepping down by the overshoot)."""
-        top = room(limit) if self.target is not None else limit
+        top = pred.room(limit) if self.target is not None else limit
         frontier = self.solution.frontier
         skip_above = None
         for candidate in reversed([p for p in frontier if (p.predicted_peak or 0) <= top]):
@@ -186,7 +181,7 @@ class Planning:
             known = candidate.describe() in self._measured
             measured = self._measure_cached(candidate, limit)
             if self.target is not None:  # one rank run on a fake group: predicted, margin kept
-                if measured <= room(limit):
+                if measured <= pred.room(limit):
                     return replace(self._named(candidate, name, limit),
                                    predicted_peak=measured)
             elif measured <= limit:
@@ -307,6 +302,7 @@ def prepare(
         raise ConfigError("a target is planned for without running (predict=True); without "
                           "it, plans are measured on the device the batch is on")
     model, user_step, source = adopt_sharded(model, user_step)  # fully_shard / DDP: read back
+    model, example_inputs = as_trained(model, example_inputs, user_step.weights)  # "-true"
     if user_step.layout is not None:  # before any profiling: the ranks it is for
         if compile:
             raise ConfigError("compiled plans under a parallel layout are not supported: "
@@ -317,8 +313,8 @@ def prepare(
     # a predicted plan, or one rank of a model too large for one (built on the meta device,
     # or sharded already): fake-tensor costs; under a layout, each candidate run on the ranks
     if predict or (user_step.layout is not None and on_meta(model)):
-        costs, tgt = predicted_costs(profiled, example_inputs, st, device, user_step, target,
-                                     ops)
+        costs, tgt = pred.predicted_costs(profiled, example_inputs, st, device, user_step,
+                                          target, ops)
         if user_step.layout is None:
             return Planning(model, st, example_inputs, costs,
                             solve(costs, layers=st.kind == "layers"), False, False,
@@ -355,7 +351,7 @@ def prepare(
     if user_step.layout is not None:
         costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)
     elif dev.type == "cuda":  # the BLAS workspaces the measured step holds (`StepMemory`)
-        costs = with_resident(costs, blas_resident(device_blas_workspace(dev)))
+        costs = pred.with_resident(costs, blas_resident(device_blas_workspace(dev)))
     solution = solve(costs, layers=st.kind == "layers")
     planning = Planning(model, st, batch, costs, solution, verify, compile, user_step,
                         ranks=engine)
