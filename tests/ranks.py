@@ -237,3 +237,23 @@ def auto_worker(rank: int, world: int, budget: int) -> dict:
         losses.append(float(loss))
     return {"events": [[e.plan, list(map(list, e.profiled)), e.peak, e.budget]
                        for e in wrapped.events], "losses": losses}
+
+
+def replanned_worker(rank: int, world: int) -> dict:
+    """The README's order: a plan applied, then the model sharded (each layer, then the
+    root); that sharded, planned model planned again for a tighter budget, and the new plan
+    run in the user's own loop."""
+    model, batch = made("gpt2")
+    step = Step(optimizer=torch.optim.AdamW, layout=FSDP())
+    first = rematlab.prepare(model, batch, step=step)
+    top = first.measure(first.unconstrained)
+    planned = rematlab.apply(copy.deepcopy(model), first.unconstrained)
+    for layer in layers_of(planned, "gpt2"):
+        fully_shard(layer)
+    fully_shard(planned)
+    again = rematlab.prepare(planned, batch, step=Step(optimizer=torch.optim.AdamW))
+    budget = (again.floor_budget() + top) // 2
+    chosen = again.choose(budget)
+    return {"budget": budget, "measured": chosen.measured_peak, "top": top,
+            "layout": again.step.layout.kind,
+            "user": user_fsdp_peak(model, "gpt2", chosen, batch)}

@@ -176,3 +176,10 @@ def test_torchrun_plans_one_rank_of_the_job(tmp_path):
     assert found["per_rank"]["world_size"] == 2
     assert found["step"].endswith("FSDP2 over the job's ranks")
     assert json.loads(out.read_text())["step"]["layout"]["kind"] == "fsdp"
+
+
+def test_a_planned_then_sharded_model_plans_again(tmp_path):
+    for result in ranks.spawn(ranks.replanned_worker, 2, tmp_path):
+        assert result["layout"] == "fsdp"  # read back from the sharded model
+        assert result["measured"] <= result["budget"] < result["top"]
+        assert result["user"] <= result["budget"]  # FSDPMemTracker in the user's loop

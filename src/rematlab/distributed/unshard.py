@@ -19,7 +19,7 @@ from torch import nn
 from rematlab.core.layout import DDP, FSDP
 from rematlab.distributed.shard import DTYPES
 from rematlab.exceptions import ConfigError
-from rematlab.remat.layers import rebound
+from rematlab.remat.layers import is_plan, rebound
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
@@ -83,8 +83,8 @@ def _rebuild(module: nn.Module, made: dict[int, Any]) -> nn.Module:
     made[id(module)] = twin
     state: dict[str, Any] = {}
     for key, value in vars(module).items():
-        if key.startswith("__composable_api_") or key in _FSDP_FLAGS:
-            continue
+        if key.startswith("__composable_api_") or key in _FSDP_FLAGS or is_plan(key, value):
+            continue  # FSDP's state, and a plan the sharded model was given before
         if key.endswith("hooks") or "_hooks_" in key:
             value = type(value)()  # FSDP's (and anyone's) hooks stay with the sharded model
         elif key in ("_parameters", "_buffers"):

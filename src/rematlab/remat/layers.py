@@ -288,6 +288,12 @@ def rebound(value: Any, old: nn.Module, new: nn.Module) -> Any:
         else value
 
 
+def is_plan(key: str, value: Any) -> bool:
+    """Whether a module's attribute `key` is rematlab's plan on it (a planned model's
+    `forward` and runner): a copy made to plan the model again leaves it out."""
+    return key == "_rematlab" or isinstance(value, _PlannedForward)
+
+
 def signed(wrapper: Any, original: Callable) -> Any:
     """`wrapper` given `original`'s name, docs and signature (`inspect.signature` reads
     `__signature__`): libraries read a model's `forward` to decide what to pass it (HF
