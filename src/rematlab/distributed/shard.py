@@ -26,9 +26,30 @@ def unit_names(model: nn.Module, layout: FSDP | DDP, layers: list[str]) -> list[
         if name not in names or name == "":
             raise ConfigError(f"FSDP unit {name!r} is not a module of the model (units are "
                               "names such as 'model.layers.0'; the root is sharded anyway)")
+    _refuse_split_ties(model, list(layout.units))
     # fully_shard goes on a module after the units inside it (torch refuses a parent first):
     # deepest first, the order the user gave kept among units of one depth
     return sorted(layout.units, key=lambda n: -n.count("."))
+
+
+def _refuse_split_ties(model: nn.Module, units: list[str]) -> None:
+    """A parameter shared by modules of two units (a tied embedding in one unit, the head
+    that shares it in another, or in the root) is refused here, as FSDP2 refuses it at the
+    first forward: tied parameters go in one unit."""
+    unit_of: dict[int, str] = {}
+    for name in sorted(["", *units], key=lambda n: (n != "", n.count("."))):  # outer first
+        for m in model.get_submodule(name).modules():
+            unit_of[id(m)] = name
+    owner: dict[int, tuple[str, str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            here = (unit_of[id(module)], f"{mname}.{pname}".lstrip("."))
+            first = owner.setdefault(id(param), here)
+            if first[0] != here[0]:
+                raise ConfigError(f"{first[1]} and {here[1]} are one tied parameter in two "
+                                  f"FSDP units ({first[0] or 'the root'}, "
+                                  f"{here[0] or 'the root'}): put the modules that share it "
+                                  "in one unit")
 
 
 def unit_params(model: nn.Module, units: list[str]) -> list[list[nn.Parameter]]:
@@ -58,9 +79,11 @@ def shard(model: nn.Module, units: list[nn.Module], layout: FSDP | DDP, mesh: De
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES.get(layout.param_dtype or ""),
         reduce_dtype=DTYPES.get(layout.reduce_dtype or ""))
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
-                    mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
-                mp_policy=policy)
+    try:
+        for unit in [*units, model]:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
+                        mp_policy=policy)
+    except ValueError as exc:  # units that split a tied parameter, ...: the user's layout
+        raise ConfigError(f"fully_shard refuses these FSDP units: "
+                          f"{str(exc).splitlines()[0]}"[:300]) from exc
     return model
