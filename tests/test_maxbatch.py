@@ -13,7 +13,7 @@ from rematlab.core.batch import resized
 from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.measurement import zoo
-from rematlab.planning import planner
+from rematlab.planning import budget, planner
 from rematlab.planning.bisect import confirmed, largest
 from rematlab.planning.budget import DeviceBudget
 from rematlab.planning.maxbatch import max_batch
@@ -146,7 +146,7 @@ def test_auto_replans_when_the_derived_budget_stops_holding(monkeypatch):
     def fake_resolve(budget, device, resident=0):
         return DeviceBudget(device_has["bytes"], "auto (test)")
 
-    monkeypatch.setattr(planner, "resolve_budget", fake_resolve)
+    monkeypatch.setattr(budget, "resolve_budget", fake_resolve)
     wrapped = rematlab.auto(model, "auto", optimizer=None, recheck_s=0.0)
 
     def train_step():

@@ -457,3 +457,11 @@ def test_fuzz_the_step_and_layout_flags(fns):
             lines = clirun.said(proc.stderr)
             assert len(lines) == 1 and lines[0].startswith("error: "), (args, lines)
 
+
+
+def test_measure_help_lists_every_optimizer_it_takes():
+    from rematlab.core.optimizers import OPTIMIZERS
+
+    proc = clirun.run(["measure", "--help"])
+    assert proc.returncode == 0
+    assert ", ".join(OPTIMIZERS) in " ".join(proc.stdout.split())
