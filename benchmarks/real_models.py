@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rematlab.core.guard import Evidence
-from rematlab.core.optimizers import make_optimizer
 from rematlab.core.recipe import Step
 from rematlab.core.timer import Timer, Turns
 from rematlab.core.units import format_bytes
@@ -44,23 +43,26 @@ FRACTIONS = (0.0, 0.5)
 NOISY = 0.10
 
 
-def _side_by_side(runs: dict, batch, model, rounds: int) -> tuple[dict[str, tuple], Evidence]:
-    """Median seconds per training step of each candidate over interleaved rounds, by the one
-    timer (`rematlab.core.timer`, under the interference guard), and the relative spread
-    (IQR / median). A candidate is a factory that readies the model (transformers' own
-    checkpointing is switched on the shared model), called when its turn comes, untimed; on
-    a transformers model, `none` switches it off, and it is off afterwards."""
+def _side_by_side(runs: dict, batch, model, rounds: int, step: Step | None = None
+                  ) -> tuple[dict[str, tuple], Evidence]:
+    """Median seconds per training step (`step`: rematlab's own by default) of each
+    candidate over interleaved rounds, by the one timer (`rematlab.core.timer`, under the
+    interference guard), and the relative spread (IQR / median). A candidate is a factory
+    that readies the model (transformers' own checkpointing is switched on the shared
+    model), called when its turn comes, untimed; on a transformers model, `none` switches it
+    off, and it is off afterwards."""
+    step = step or Step()
     hf = _hf_layers(model)
     if hf:
         runs = {**runs, "none": lambda: (model.activation_checkpointing_disable(), model)[1]}
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = make_optimizer("momentum", model.parameters())
+    opt = step.make_optimizer(model.parameters())
     ready = Turns(runs)  # readied again whenever another candidate ran in between
 
     def work(name: str):
         def one(clock):
-            return Step().train_step(model, batch, run=ready(name), optimizer=opt,
-                                     clock=clock)
+            return step.train_step(model, batch, run=ready(name), optimizer=opt,
+                                   clock=clock)
         return one
 
     timing = Timer(next(model.parameters()).device).run(

@@ -24,9 +24,11 @@ from tests.test_real_models import _double, _grads
 
 
 def _every_option(planning: rematlab.Planning) -> Plan:
-    """Every block with a menu kept under one of its options, the options taken in turn."""
+    """Every block with a menu kept under one of its op-level (dispatch-mode) options, the
+    options taken in turn."""
     c = planning.costs
-    return Plan(c.n, tuple(Selective.of(i, c.menu(i)[i % len(c.menu(i))]) if c.menu(i) else i
+    menus = [[o for o in c.menu(i) if o.saves] for i in range(c.n)]
+    return Plan(c.n, tuple(Selective.of(i, menus[i][i % len(menus[i])]) if menus[i] else i
                            for i in range(c.n)))
 
 
@@ -184,3 +186,40 @@ def test_an_op_level_profile_times_the_all_kept_step_once(monkeypatch):
     planning = rematlab.prepare(model.train(), batch, ops=True)
     assert timed_by_outer == [0]  # outer_costs ran with no timed repeat
     assert planning.costs.bwd_time[0] >= 0.0 and sum(planning.costs.fwd_time) > 0
+
+
+def test_under_bf16_autocast_a_module_option_is_chosen_and_holds_in_the_users_loop():
+    """Issue 50: under bf16 autocast the op-level (dispatch-mode) options cost more than
+    checkpointing the layer (their per-op host work), but recomputing GPT-2's tanh GELU as a
+    module pays: at a mid budget the plan takes it, keeps its budget in the user's own
+    autocast loop, and its gradients are the plain autocast model's."""
+    from tests.meters import user_loop_peak
+
+    torch.manual_seed(0)
+    model, batch = realzoo.gpt2(batch=4, seq=128, layers=4, width=128)
+    model.train()
+    step = Step(precision="bf16", optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-4})
+    planning = rematlab.prepare(model, batch, step=step, ops=True)
+    menu = planning.costs.menu(1)
+    act = next(o for o in menu if o.modules)
+    assert act.modules == ("mlp.act",) and not act.saves
+    assert act.saved < planning.costs.saved[1]  # the GELU's tensors given back
+    budget = (planning.floor_budget() + planning.full) // 2
+    chosen = planning.choose(budget)
+    picked = [it for it in chosen.items if isinstance(it, Selective)]
+    assert any(it.modules == ("mlp.act",) for it in picked), chosen.describe()
+    planned = rematlab.apply(model, Plan.from_json(chosen.to_json()))  # read back, as saved
+    peak = user_loop_peak(planned, batch, precision="bf16",
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    assert peak <= budget, (chosen.describe(), peak, budget)
+    model.eval()  # no dropout: the plain model and the planned one see the same forward
+
+    def grads(run):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(**batch).loss
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+    for want, got in zip(grads(model), grads(planned), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "forward" not in model.transformer.h[0].mlp.act.__dict__  # put back after

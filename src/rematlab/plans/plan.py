@@ -40,9 +40,12 @@ class Segment:
 class Option:
     """A way to run block i kept but holding less (an op-level plan): only the outputs of
     the ops in `saves` — (aten op name, occurrence within the block's forward) — are kept
-    for backward, every other op is recomputed during backward. Its memory and times are
-    measured like a plain block's (`ChainCosts`); `ops` fingerprints the block's op sequence,
-    so a plan made for other code is refused (`rematlab.remat.ops`)."""
+    for backward, every other op is recomputed during backward; or (`modules`) the block
+    runs as it is but those submodules of it (names relative to the block: an activation
+    function) are checkpointed, each keeping its input and running again in backward. Its
+    memory and times are measured like a plain block's (`ChainCosts`); `ops` fingerprints
+    the block's op sequence, so a plan made for other code is refused
+    (`rematlab.remat.ops`)."""
 
     name: str
     saves: tuple[tuple[str, int], ...]
@@ -54,22 +57,25 @@ class Option:
     fwd_time: float
     bwd_time: float
     ops: str = ""
+    modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Selective:
     """Run `block` kept under the option named `option`: save the outputs of the ops in
-    `saves`, recompute the rest in backward; `ops` fingerprints the op sequence the option
-    was made for (the plan carries both, so it applies without its costs)."""
+    `saves`, recompute the rest in backward, or checkpoint its submodules `modules`; `ops`
+    fingerprints the op sequence the option was made for (the plan carries all of it, so it
+    applies without its costs)."""
 
     block: int
     option: str
     saves: tuple[tuple[str, int], ...] = ()
     ops: str = ""
+    modules: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, block: int, opt: Option) -> Selective:
-        return cls(block, opt.name, opt.saves, opt.ops)
+        return cls(block, opt.name, opt.saves, opt.ops, opt.modules)
 
 
 Item = Union[int, Selective, Segment]  # noqa: UP007 - recursive alias needs the runtime form
@@ -166,7 +172,8 @@ class ChainCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> ChainCosts:
-        menus = [[Option(**{**o, "saves": tuple(tuple(v) for v in o["saves"])}) for o in menu]
+        menus = [[Option(**{**o, "saves": tuple(tuple(v) for v in o["saves"]),
+                            "modules": tuple(o.get("modules", ()))}) for o in menu]
                  for menu in data.get("options", [])]
         ckpt = data.get("checkpoint_time", [])
         if isinstance(ckpt, (int, float)):  # written before the cost was per block
@@ -338,7 +345,8 @@ def _item_to_json(item: Item) -> int | dict:
         return item
     if isinstance(item, Selective):
         return {"block": item.block, "option": item.option,
-                "saves": [list(op) for op in item.saves], "ops": item.ops}
+                "saves": [list(op) for op in item.saves], "ops": item.ops,
+                "modules": list(item.modules)}
     return {"checkpoint": [item.start, item.end], "inner": [_item_to_json(i) for i in item.inner]}
 
 
@@ -353,7 +361,11 @@ def _item_from_json(data: int | dict, depth: int = 0) -> Item:
         if not isinstance(data["option"], str) or not isinstance(data.get("ops", ""), str):
             raise TypeError("an option and its op fingerprint are strings")
         saves = tuple((str(name), int(k)) for name, k in data.get("saves", []))
-        return Selective(int(data["block"]), data["option"], saves, data.get("ops", ""))
+        modules = data.get("modules", [])
+        if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+            raise TypeError("an option's modules are submodule names")
+        return Selective(int(data["block"]), data["option"], saves, data.get("ops", ""),
+                         tuple(modules))
     start, end = data["checkpoint"]
     return Segment(int(start), int(end), tuple(_item_from_json(i, depth + 1)
                                                for i in data["inner"]))

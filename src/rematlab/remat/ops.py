@@ -41,11 +41,12 @@ from rematlab.core.flops import formula as flop_formula
 from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
 from rematlab.core.steps import preserved, unit_loss
 from rematlab.core.timer import time_block
+from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
 from rematlab.preflight.targets import Target, backward_interval, interval
 from rematlab.remat.policy import SavePolicy, compiled_context_fn, fingerprint, metadata
-from rematlab.remat.recompute import RecomputeStats, selective_contexts
+from rematlab.remat.recompute import RecomputeStats, recomputed_modules, selective_contexts
 
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
         "aten._scaled_dot_product_flash_attention.default",
@@ -232,15 +233,74 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
     block kept plainly (`plain`: its `profile_block` row) are dropped. With a `target`, the
     block is a fake twin: bytes as measured, times the target's roofline."""
     ops = profile_ops(module, run, x_in, others, repeats, target)
-    names = [o.name for o in ops]
-    menu = [option_costs(module, run, x_in, saves, names, others, max(repeats, OPTION_REPEATS),
-                         unit, target) for saves in save_sets(ops)]
-    # an option runs the same forward, and in backward the block's backward plus the ops it
-    # recomputes: never less than that, whatever a short timing says (noise would otherwise
-    # buy memory for nothing)
+    key = fingerprint([o.name for o in ops])
+    items = [Selective(-1, describe_saves(saves), saves, key) for saves in save_sets(ops)]
+    acts = activations(module)
+    if acts:  # the block kept, its activation functions recomputed (no dispatch mode)
+        items.append(Selective(-1, "recompute " + ", ".join(short_module(n) for n in acts),
+                               (), key, acts))
+    menu = [option_costs(module, run, x_in, item, others, max(repeats, OPTION_REPEATS), unit,
+                         target) for item in items]
+    # an op-level option runs the same forward, and in backward the block's backward plus
+    # the ops it recomputes: never less than that, whatever a short timing says (noise would
+    # otherwise buy memory for nothing); a module-level one keeps the block's input as the
+    # block kept plainly does
+    again = (submodule_seconds(module, acts, run, x_in, max(repeats, OPTION_REPEATS))
+             if acts and target is None else 0.0)
     return smaller([replace(o, bwd_time=max(o.bwd_time, plain["bwd_time"]
-                                            + _recomputed(ops, o.saves))) for o in menu],
-                   plain, unit)
+                                            + _recomputed(ops, o.saves))) if o.saves
+                    else replace(o, keeps_input=plain["keeps_input"],
+                                 bwd_time=max(o.bwd_time, plain["bwd_time"] + again))
+                    for o in menu], plain, unit)
+
+
+def submodule_seconds(module: nn.Module, names: tuple[str, ...],
+                      run: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
+                      repeats: int) -> float:
+    """Median seconds the submodules `names` of `module` take in one forward of it (hooks
+    around each, the device synchronised): what a module-level option runs again in
+    backward."""
+    sync = _sync(x_in.device)
+    subs = [module.get_submodule(n) for n in names]
+    runs: list[float] = []
+    started = [0.0]
+
+    def start(*_: Any) -> None:
+        sync()
+        started[0] = time.perf_counter()
+
+    def stop(*_: Any) -> None:
+        sync()
+        runs[-1] += time.perf_counter() - started[0]
+
+    handles = [h for m in subs for h in (m.register_forward_pre_hook(start),
+                                         m.register_forward_hook(stop))]
+    try:
+        with preserved(module), torch.no_grad():
+            for _ in range(repeats):
+                runs.append(0.0)
+                run(x_in)
+    finally:
+        for h in handles:
+            h.remove()
+    return statistics.median(runs)
+
+
+def activations(module: nn.Module) -> tuple[str, ...]:
+    """The submodules of a block a module-level option recomputes: its activation
+    functions, leaf modules without parameters that compute (dropout, identities and
+    in-place activations excluded). A composite one (GPT-2's tanh GELU, eight pointwise ops) saves several
+    tensors the size of its input, and holds only that input checkpointed."""
+    skip = (nn.Dropout, nn.Identity)
+    return tuple(name for name, m in module.named_modules()
+                 if name and not list(m.children()) and not list(m.parameters(recurse=False))
+                 and not list(m.buffers(recurse=False)) and not isinstance(m, skip)
+                 and not getattr(m, "inplace", False))  # writes its input: nothing to keep
+
+
+def short_module(name: str) -> str:
+    """`mlp.act` -> `mlp.act`; a long path keeps its last two parts."""
+    return ".".join(name.split(".")[-2:])
 
 
 def smaller(menu: list[Option], plain: dict, unit: int) -> list[Option]:
@@ -270,17 +330,14 @@ def _recomputed(ops: list[OpCost], saves: tuple[tuple[str, int], ...]) -> float:
 
 
 def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
-                 x_in: torch.Tensor, saves: tuple[tuple[str, int], ...], names: list[str],
-                 others: list[torch.Tensor] | None = None, repeats: int = 3, unit: int = 1,
-                 target: Target | None = None) -> Option:
-    """One option's costs, measured: held bytes (besides the input, which the checkpoint
-    keeps, and the output, unless it is among the saved), the forward and backward peaks
-    under the live-tensor tracker, and median times by the one timer (with a `target`, the
-    roofline's for the ops the forward and the backward ran)."""
+                 x_in: torch.Tensor, item: Selective, others: list[torch.Tensor] | None = None,
+                 repeats: int = 3, unit: int = 1, target: Target | None = None) -> Option:
+    """One option's (`item`'s) costs, measured: held bytes (besides the input, which the
+    checkpoint keeps, and the output, unless it is among the saved), the forward and
+    backward peaks under the live-tensor tracker, and median times by the one timer (with a
+    `target`, the roofline's for the ops the forward and the backward ran)."""
     logs = (OpLog(), OpLog()) if target is not None else None
     priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
-    ops = fingerprint(names)
-    item = Selective(-1, describe_saves(saves), saves, ops)
 
     def selective(x: torch.Tensor) -> torch.Tensor:
         return run_option(item, module, run, RecomputeStats(), "profiling", x)
@@ -311,10 +368,10 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         # the tracked run above was the warm-up
         fwd_time, bwd_time = (time_block(selective, x_in, repeats) if repeats
                               else (0.0, 0.0))
-    return Option(name=item.option, saves=saves,
+    return Option(name=item.option, saves=item.saves,
                   saved=max(0, held - (out_bytes if keeps_output else 0)), keeps_input=True,
                   keeps_output=keeps_output, fwd_mem=fwd_mem, bwd_mem=max(0, bwd_mem),
-                  fwd_time=fwd_time, bwd_time=bwd_time, ops=ops)
+                  fwd_time=fwd_time, bwd_time=bwd_time, ops=item.ops, modules=item.modules)
 
 
 def run_option(item: Selective, module: nn.Module, fn: Callable, stats: RecomputeStats,
@@ -325,6 +382,12 @@ def run_option(item: Selective, module: nn.Module, fn: Callable, stats: Recomput
     torch.compile the region is traced with a fresh policy per trace, checked as the traced
     forward ends (`rematlab.remat.policy`); recomputation is then the partitioner's, in the
     compiled backward, which rematlab's recompute clock does not see."""
+    if item.modules:
+        if torch.compiler.is_compiling():
+            raise ConfigError(f"{where}: a module-level option ({item.option}) runs eager; "
+                              "plan with compile=True for a compiled step")
+        with recomputed_modules(module, item.modules, stats, where):
+            return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
         return checkpoint(fn, *args, use_reentrant=False, **kwargs,
                           context_fn=compiled_context_fn(item.saves, item.ops, where))

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from rematlab.core import flops as flop_count
 from rematlab.core.clocks import Clock, WallClock
+from rematlab.exceptions import ConfigError
 from rematlab.preflight.cuda_ops import reentered
 
 
@@ -111,3 +114,35 @@ def _around(outer: contextlib.AbstractContextManager, inner: contextlib.Abstract
     forward's ops and no others, such as BatchNorm's counter read by `frozen_batchnorm`."""
     with outer, inner:
         yield
+
+
+@contextlib.contextmanager
+def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: RecomputeStats,
+                       where: str) -> Iterator[None]:
+    """`block` run with its submodules `names` checkpointed: each keeps its input for
+    backward and runs again there, through `recompute_contexts` (timed, BatchNorm frozen),
+    instead of holding what its own ops save. How a module-level option runs: no dispatch
+    mode sees each op, so the per-op host cost of selective checkpointing is not paid.
+    The submodules' own `forward`s are put back when the block's forward returns."""
+    subs = []
+    for name in names:
+        try:
+            subs.append(block.get_submodule(name))
+        except AttributeError:
+            raise ConfigError(f"the plan recomputes {name!r}, which {where} does not have: it "
+                              "was made for another model; plan again") from None
+    for sub in subs:
+        inner, contexts = sub.forward, recompute_contexts(stats, [sub])
+
+        def checkpointed(*args: Any, _inner: Callable = inner, _contexts: Callable = contexts,
+                         **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=_contexts,
+                              **kwargs)
+        object.__setattr__(sub, "forward", checkpointed)
+    try:
+        yield
+    finally:
+        for sub in subs:
+            object.__delattr__(sub, "forward")
