@@ -226,7 +226,7 @@ class Planning:
                 if not is_oom(exc):
                     raise
                 self._measured[key] = OOM
-                if chosen.describe() == self.solution.frontier[0].describe():
+                if key == self.solution.frontier[0].describe():
                     raise OutOfMemory(f"even the smallest plan's step ({key}) runs out of "
                                       f"memory on this device ({one_line(exc)})") from exc
         return self._measured[key]

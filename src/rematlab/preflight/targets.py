@@ -54,6 +54,11 @@ KiB = 1 << 10
 # 2-core CPU (a one-layer region, less its plain step and its forward); a faster host runs
 # it in less, so 0.05-0.4 ms. On a GPU it overlaps with the kernels queued before it.
 HOST_CHECKPOINT = (50e-6, 200e-6, 400e-6)
+# What selective checkpointing's dispatch modes add per op and per pass (the forward's caching
+# mode, the recomputation's replay), low/typical/high seconds: `benchmarks/
+# selective_overhead.py` measured 24-28 µs per op for both passes on this 2-core CPU (12-14 per
+# pass); a faster host runs it in less. Every target pays it for an op-level option's ops.
+HOST_SELECTIVE = (6e-6, 12e-6, 14e-6)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class Target:
     # host seconds of torch.utils.checkpoint's own work per region (low, typical, high): an
     # assumption (`HOST_CHECKPOINT`) unless calibrated (`extra["checkpoint"]`)
     checkpoint_host: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # host seconds per op and pass of selective checkpointing (`HOST_SELECTIVE`)
+    selective_host: tuple[float, float, float] = HOST_SELECTIVE
     source: str = ""
     calibrated: bool = False
     extra: dict = field(default_factory=dict)
@@ -214,6 +221,17 @@ def checkpoint_seconds(ops: list[LoggedOp], target: Target, bound: str = "typica
     return max(kernels, launches + host) - max(kernels, launches)
 
 
+def selective_seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> float:
+    """What selective checkpointing's dispatch mode adds to one pass over `ops` (the
+    forward of an op-level option, or its recomputation): `selective_host` per op, which on
+    a GPU overlaps with the kernels as launches do (only what the host falls behind by)."""
+    host = len(ops) * target.selective_host[2 - BOUNDS[bound]]
+    if target.kind != "cuda":
+        return host
+    kernels, launches = _parts(ops, target, bound)
+    return max(kernels, launches + host) - max(kernels, launches)
+
+
 def _parts(ops: list[LoggedOp], target: Target, bound: str) -> tuple[float, float]:
     """(device seconds of `ops`' work, host seconds of their launches) at `bound`."""
     i = BOUNDS[bound]
@@ -310,6 +328,7 @@ def _from_fields(fields: dict, where: str) -> Target:
             "bandwidth_efficiency": tuple(fields.get("bandwidth_efficiency",
                                                      base.bandwidth_efficiency)),
             "checkpoint_host": tuple(fields.get("checkpoint_host", base.checkpoint_host)),
+            "selective_host": tuple(fields.get("selective_host", base.selective_host)),
         })
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: bad target profile: {exc}") from None
@@ -340,7 +359,8 @@ def calibrated(kind: str = "cpu") -> Target:
     return target
 
 
-_TUPLES = ("overhead", "efficiency", "bandwidth_efficiency", "checkpoint_host")
+_TUPLES = ("overhead", "efficiency", "bandwidth_efficiency", "checkpoint_host",
+           "selective_host")
 
 
 def _machine(kind: str) -> str:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from rematlab.core import flops as flop_count
-from rematlab.core.batch import Batch, one_tensor, tensors, to_device
+from rematlab.core.batch import Batch, batch_bytes, one_tensor, tensors, to_device
 from rematlab.core.probes import (
     LiveTensorTracker,
     rounded,
@@ -87,7 +87,10 @@ def profile_chain(
     with watch:
         x = first = chain_input(nn.Sequential(*run), batch, step,
                                 "the model (pre-flight)" if session is not None else None)
-        base_input = rounded(x.element_size() * x.numel(), unit)
+        # resident: the chain's input, and under a step function the rest of its batch too
+        # (labels, targets), each storage once
+        base_input = (batch_bytes((batch, x), unit) if step.fn is not None
+                      else rounded(x.element_size() * x.numel(), unit))
         for i, block in enumerate(run):
             x_in = block_input(x, needs_grad=i > 0)
             fwd = step.in_region(block, x_in.device)

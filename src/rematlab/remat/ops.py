@@ -44,7 +44,8 @@ from rematlab.core.timer import time_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
-from rematlab.preflight.targets import Target, backward_interval, interval
+from rematlab.preflight.targets import Target, backward_interval, interval, selective_seconds
+from rematlab.remat.activations import activations, short_module, submodule_seconds
 from rematlab.remat.policy import SavePolicy, compiled_context_fn, fingerprint, metadata
 from rematlab.remat.recompute import RecomputeStats, recomputed_modules, selective_contexts
 
@@ -79,24 +80,34 @@ class OpCost:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records every aten op a forward runs: name, outputs, flags, FLOPs and seconds (the
-    device synchronised around it; with a `target`, the op priced on its roofline)."""
+    """Records every aten op a forward runs: name, outputs, flags, FLOPs and seconds (with
+    a `target`, the op priced on its roofline). On CUDA each op's seconds are its kernels'
+    between two events, read once the forward ends (`finish`): synchronising around every
+    op would add the host's launch latency to each, and make the cheap pointwise ops an
+    option recomputes look as dear as a matmul."""
 
-    def __init__(self, sync: Callable[[], None], target: Target | None = None) -> None:
+    def __init__(self, device: torch.device, target: Target | None = None) -> None:
         super().__init__()
-        self.sync = sync
+        self.cuda = device.type == "cuda" and target is None
         self.target = target
         self.rows: list[tuple] = []
+        self._events: list[tuple[Any, Any]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if metadata(func):
             return func(*args, **kwargs)
-        self.sync()
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        self.sync()
-        seconds = time.perf_counter() - t0
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            out = func(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            seconds = 0.0
+        else:
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - t0
         if self.target is not None:
             op = logged(func, args, kwargs, out)
             seconds = interval([op], self.target)[1] if op is not None else 0.0
@@ -107,11 +118,13 @@ class _Recorder(TorchDispatchMode):
                           torch.Tag.nondeterministic_seeded in func.tags, flops, seconds))
         return out
 
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return torch.cuda.synchronize
-    return lambda: None
+    def finish(self) -> None:
+        """On CUDA, each row's seconds from its events (the device synchronised once)."""
+        if not self._events:
+            return
+        torch.cuda.synchronize()
+        self.rows = [(*row[:-1], start.elapsed_time(end) / 1e3)
+                     for row, (start, end) in zip(self.rows, self._events, strict=True)]
 
 
 def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
@@ -131,11 +144,10 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         saved.add(storage_key(t))
         return t
 
-    sync = _sync(x_in.device)
     timings: list[list[float]] = []
     rows: list[tuple] = []
     for r in range(max(1, repeats)):
-        recorder = _Recorder(sync, target)
+        recorder = _Recorder(x_in.device, target)
         # saved storages are read in the first run only: storage keys are addresses, which a
         # later run may reuse for tensors the first run did not save
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if r == 0
@@ -143,6 +155,7 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         with preserved(module), hooks:
             with recorder:
                 out = run(x_in)
+            recorder.finish()
             del out
         if r == 0:
             rows = [(*row[:1], [(storage_key(t), rounded(t.untyped_storage().nbytes(), 1))
@@ -254,55 +267,6 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
                     for o in menu], plain, unit)
 
 
-def submodule_seconds(module: nn.Module, names: tuple[str, ...],
-                      run: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
-                      repeats: int) -> float:
-    """Median seconds the submodules `names` of `module` take in one forward of it (hooks
-    around each, the device synchronised): what a module-level option runs again in
-    backward."""
-    sync = _sync(x_in.device)
-    subs = [module.get_submodule(n) for n in names]
-    runs: list[float] = []
-    started = [0.0]
-
-    def start(*_: Any) -> None:
-        sync()
-        started[0] = time.perf_counter()
-
-    def stop(*_: Any) -> None:
-        sync()
-        runs[-1] += time.perf_counter() - started[0]
-
-    handles = [h for m in subs for h in (m.register_forward_pre_hook(start),
-                                         m.register_forward_hook(stop))]
-    try:
-        with preserved(module), torch.no_grad():
-            for _ in range(repeats):
-                runs.append(0.0)
-                run(x_in)
-    finally:
-        for h in handles:
-            h.remove()
-    return statistics.median(runs)
-
-
-def activations(module: nn.Module) -> tuple[str, ...]:
-    """The submodules of a block a module-level option recomputes: its activation
-    functions, leaf modules without parameters that compute (dropout, identities and
-    in-place activations excluded). A composite one (GPT-2's tanh GELU, eight pointwise ops) saves several
-    tensors the size of its input, and holds only that input checkpointed."""
-    skip = (nn.Dropout, nn.Identity)
-    return tuple(name for name, m in module.named_modules()
-                 if name and not list(m.children()) and not list(m.parameters(recurse=False))
-                 and not list(m.buffers(recurse=False)) and not isinstance(m, skip)
-                 and not getattr(m, "inplace", False))  # writes its input: nothing to keep
-
-
-def short_module(name: str) -> str:
-    """`mlp.act` -> `mlp.act`; a long path keeps its last two parts."""
-    return ".".join(name.split(".")[-2:])
-
-
 def smaller(menu: list[Option], plain: dict, unit: int) -> list[Option]:
     """`menu` named apart (plans name options: two summaries alike get a number), each no
     faster than the block kept plainly (`plain`: its `profile_block` row), and without the
@@ -361,9 +325,10 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         with tracker, priced(1):
             loss.backward()
         bwd_mem = tracker.peak - before_bwd - out_bytes
-    if logs is not None:
-        fwd_time = interval(logs[0].ops, target)[1]
-        bwd_time = backward_interval(logs[1].ops, like, target)[1]
+    if logs is not None:  # an op-level option's forward and replay pay the dispatch mode
+        host = selective_seconds(logs[0].ops, target) if item.saves else 0.0
+        fwd_time = interval(logs[0].ops, target)[1] + host
+        bwd_time = backward_interval(logs[1].ops, like, target)[1] + host
     else:
         # the tracked run above was the warm-up
         fwd_time, bwd_time = (time_block(selective, x_in, repeats) if repeats
