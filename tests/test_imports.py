@@ -131,3 +131,38 @@ def test_the_tests_never_write_the_users_cache():
     from rematlab.core.files import cache_dir
 
     assert Path.home() / ".cache" / "rematlab" not in [cache_dir(), *cache_dir().parents]
+
+
+def test_import_rematlab_leaves_the_study_and_the_compiler_alone():
+    """`import rematlab` plans and applies: it loads neither the study's libraries (an extra,
+    `rematlab[study]`) nor torch's compiler until asked (issue 52)."""
+    import subprocess
+    import sys
+
+    from rematlab.cli.app import STUDY_EXTRA
+
+    code = ("import sys, rematlab; print(sorted(m for m in sys.modules "
+            f"if m.split('.')[0] in {sorted(STUDY_EXTRA)!r} or m == 'torch._dynamo'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_without_the_study_extra_plans_run_and_study_commands_say_what_to_install(tmp_path):
+    import subprocess
+    import sys
+
+    from rematlab.cli.app import STUDY_EXTRA
+
+    script = (f"import sys\nfor m in {sorted(STUDY_EXTRA)!r}:\n    sys.modules[m] = None\n"
+              "from rematlab.cli import main\nsys.argv = ['rematlab', *sys.argv[1:]]\nmain()\n")
+    (tmp_path / "bare.py").write_text(script)
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(tmp_path / "bare.py"), *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    planned = run("plan", "--model", "mlp3", "--batch", "8", "--budget", "1GiB", "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    refused = run("stats", "--db", str(tmp_path / "x.duckdb"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "pip install 'rematlab[study]'" in refused.stderr

@@ -25,16 +25,20 @@ from rematlab.planning.planner import Planning, plan, prepare
 from rematlab.plans.plan import Plan
 from rematlab.preflight.targets import PROFILES, Target
 from rematlab.remat.strategies import apply, parse
-from rematlab.study.store import load
 from rematlab.version import __version__
 
 
 def __getattr__(name: str):
-    """`predict` and `Predictor` load scikit-learn: imported on first use only."""
+    """The study's API loads its libraries on first use only: `predict` and `Predictor`
+    scikit-learn, `load` DuckDB and pandas (planning needs none of them)."""
     if name in ("predict", "Predictor"):
         from rematlab.study import predictor as _predictor_module
 
         return getattr(_predictor_module, name)
+    if name == "load":
+        from rematlab.study.store import load
+
+        return load
     raise AttributeError(f"module 'rematlab' has no attribute {name!r}")
 
 

@@ -25,6 +25,11 @@ def _root() -> None:
     """Measure, model and optimize activation rematerialization in PyTorch."""
 
 
+# the `study` extra's packages (pyproject.toml), by import name
+STUDY_EXTRA = frozenset(("duckdb", "pandas", "pyarrow", "sklearn", "scipy", "statsmodels",
+                         "matplotlib", "jinja2", "skops"))
+
+
 def _fail(message: str, code: int = 2) -> None:
     sys.stderr.write(f"error: {message}\n")
     raise typer.Exit(code)
@@ -42,6 +47,11 @@ def handles_errors(fn: Callable) -> Callable:
         except (RematlabError, FileNotFoundError, PermissionError, IsADirectoryError,
                 NotADirectoryError) as exc:
             _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except ModuleNotFoundError as exc:  # the study's libraries are an extra
+            if (exc.name or "").split(".")[0] not in STUDY_EXTRA:
+                raise
+            _fail(f"this command needs rematlab's study extra: pip install 'rematlab[study]' "
+                  f"({exc.name} is not installed)")
 
     return wrapper
 

@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from scipy import stats
 
 
 def iqr(values: Sequence[float]) -> float:
@@ -33,6 +32,8 @@ def bootstrap(samples: Sequence[Sequence[float]], statistic: Callable[..., float
     """95 % percentile bootstrap interval of `statistic(*samples)`, each sample resampled
     within itself (scipy.stats.bootstrap). `vectorized`: the statistic takes `axis=` and
     reduces all resamples at once (much faster than one call per resample)."""
+    from scipy import stats  # on first use: scipy is not part of `import rematlab`
+
     res = stats.bootstrap(tuple(np.asarray(s, dtype=float) for s in samples), statistic,
                           n_resamples=resamples, method="percentile", vectorized=vectorized,
                           random_state=np.random.default_rng(seed))

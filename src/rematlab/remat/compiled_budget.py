@@ -75,10 +75,14 @@ def budgeted(fraction: float | None, fn: Callable[..., Any], *args: Any, **kwarg
     code compiled elsewhere keeps the global budget."""
     if fraction is None:
         return fn(*args, **kwargs)
-    return _patched(fraction, fn, *args, **kwargs)
+    return _patched()(fraction, fn, *args, **kwargs)
 
 
-@functools.partial(torch.compiler.disable, recursive=False)
-def _patched(fraction: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with torch._functorch.config.patch(activation_memory_budget=fraction):
-        return fn(*args, **kwargs)
+@functools.cache
+def _patched() -> Callable[..., Any]:
+    """`budgeted`'s frame, made on first use: `torch.compiler.disable` imports dynamo,
+    which planning an eager step never needs (`import rematlab` stays light)."""
+    def patched(fraction: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return fn(*args, **kwargs)
+    return torch.compiler.disable(patched, recursive=False)
