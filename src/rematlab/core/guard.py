@@ -31,14 +31,19 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from rematlab.core.card import CardLoad, CardReadings
 from rematlab.core.clocks import Clock
 from rematlab.core.spread import relative_spread
 
 CALIBRATION_SIZE = 256  # square fp32 matrices: ~34 MFLOP per product, no allocation
+# on a GPU 256 is a microsecond's kernel, whose launch jitter alone exceeds `DRIFT`: 2 GFLOP
+# products there (~0.5 ms for the 16 on an H200's fp32 units)
+CUDA_CALIBRATION_SIZE = 1024
 CALIBRATION_PRODUCTS = 16
 CALIBRATION_FLOPS = CALIBRATION_PRODUCTS * 2 * CALIBRATION_SIZE ** 3  # the kernel's work
 DRIFT = 0.5  # calibration slower than the reference by more than this: disturbed
@@ -94,7 +99,8 @@ class Calibration:
 
     def __init__(self, device: torch.device, clock: Clock) -> None:
         gen = torch.Generator().manual_seed(0)
-        self.a = torch.rand(CALIBRATION_SIZE, CALIBRATION_SIZE, generator=gen).to(device)
+        size = CUDA_CALIBRATION_SIZE if device.type == "cuda" else CALIBRATION_SIZE
+        self.a = torch.rand(size, size, generator=gen).to(device)
         self.out = torch.empty_like(self.a)
         self.clock = clock
 
@@ -116,6 +122,7 @@ class Sample:
     calibration: float
     measured_s: float
     load: float | None = None
+    reason: str | None = None  # what the load reading saw (`card.CardLoad.reason`)
 
     def drift(self, reference: float) -> float:
         """How much slower than `reference` the calibration before this repeat ran."""
@@ -152,12 +159,22 @@ class Evidence:
     trusted: bool
     reference_s: float
     waited_s: float = 0.0
+    rule: str = "cpu"  # which rule judged the repeats (`RULES`)
+    reason: str | None = None  # why untrusted
 
-    def columns(self) -> dict[str, float | int | bool | None]:
+    def columns(self) -> dict[str, float | int | bool | str | None]:
         return {"attempts": self.attempts, "calibration_drift": self.drift,
                 "step_spread": self.spread, "foreign_load": self.load,
                 "trusted": self.trusted, "calibration_reference_s": self.reference_s,
-                "waited_s": self.waited_s}
+                "waited_s": self.waited_s, "method_guard": RULES[self.rule],
+                "guard_reason": self.reason}
+
+
+RULES = {"cpu": "cpu: other processes' share of this process's CPUs (/proc), calibration "
+                "drift, step-time spread",
+         "gpu": "gpu: other processes or memory on the card (NVML, mem_get_info), thermal or "
+                "hardware clock slowdowns (NVML), the launch thread's run-queue wait, "
+                "calibration drift, step-time spread"}
 
 
 @dataclass
@@ -180,6 +197,16 @@ class Guard:
     waited_s: float = 0.0
     sleep: Callable[[float], None] = time.sleep
     host: Callable[[], HostLoad] = HostLoad
+    card: Callable[[torch.device], CardReadings] = CardReadings  # a GPU's readings
+
+    def reader(self, device: torch.device | None) -> tuple[str, Callable[[], Any]]:
+        """The rule that judges repeats on `device` and what reads its load: the card's
+        (`card.CardLoad`) for a CUDA device, unless the host reader was replaced; else the
+        host's."""
+        if device is not None and device.type == "cuda" and self.host is HostLoad:
+            readings = self.card(device)
+            return "gpu", lambda: CardLoad(readings, self.load)
+        return "cpu", self.host
 
     def describe(self) -> str:
         return (f"a repeat is disturbed when other processes took > {self.load:.0%} of this "
@@ -192,14 +219,14 @@ class Guard:
                 f"s, doubling to {4 * self.backoff_s:g} s), at most {self.retries} times per "
                 f"repeat and {self.max_wait_s:g} s of waiting per configuration")
 
-    def wait_quiet(self, limit_s: float) -> bool:
+    def wait_quiet(self, limit_s: float, reader: Callable[[], Any] | None = None) -> bool:
         """Watch the host in `POLL_S` windows until one shows other processes below the
         load threshold, for at most `limit_s` (and what is left of `max_wait_s`): whether it
         became quiet. Without `/proc` there is nothing to watch, and the guard simply
         waits."""
         limit_s = min(limit_s, self.max_wait_s - self.waited_s)
         for _ in range(math.ceil(limit_s / POLL_S) if limit_s > 0 else 0):
-            host = self.host()
+            host = (reader or self.host)()
             host.start()
             self._wait(POLL_S)
             load = host.stop()
@@ -218,31 +245,34 @@ class Guard:
         return sample.drift(reference) > self.drift or (
             sample.load is not None and sample.load > self.load)
 
-    def run(self, repeat: Callable[[], Sample], repeats: int, key: tuple
+    def run(self, repeat: Callable[[], Sample], repeats: int, key: tuple,
+            device: torch.device | None = None
             ) -> tuple[list[Sample], list[Sample], Evidence]:
         """Collect `repeats` undisturbed samples of `repeat`, re-measuring a disturbed one
         (after waiting) or the outlier of a too-wide set, within the re-measure budget
         (`retries` x `repeats`). Returns the samples kept, every sample measured, and the
         evidence. `key` names the calibration's conditions (device, threads): references
-        are only compared within one."""
+        are only compared within one; `device` picks the rule (`reader`)."""
+        rule, reader = self.reader(device)
         budget = self.retries * repeats
         kept: list[Sample] = []
         measured: list[Sample] = []
         redone = 0
         if self.settle_s > 0:
-            self.wait_quiet(self.settle_s)
+            self.wait_quiet(self.settle_s, reader)
         while True:
             while len(kept) < repeats:
-                host = self.host()
+                host = reader()
                 host.start()
                 sample = repeat()
                 sample.load = host.stop()
+                sample.reason = getattr(host, "reason", None)
                 measured.append(sample)
                 reference = self._reference(key, sample.calibration)
                 if (self.disturbed(sample, reference) and redone < budget
                         and self.waited_s < self.max_wait_s):
                     redone += 1
-                    self.wait_quiet(self.backoff_s * 2 ** min(redone - 1, 2))
+                    self.wait_quiet(self.backoff_s * 2 ** min(redone - 1, 2), reader)
                     continue
                 kept.append(sample)
             if spread(kept) <= self.noisy or redone >= budget:
@@ -251,13 +281,25 @@ class Guard:
             redone += 1
         reference = self._reference(key, math.inf)
         loads = [s.load for s in kept if s.load is not None]
-        trusted = spread(kept) <= self.noisy and not any(
-            self.disturbed(s, reference) for s in kept)
+        reason = self._why(kept, reference)
         return kept, measured, Evidence(
             attempts=len(measured), spread=spread(kept),
             drift=float(np.median([s.drift(reference) for s in kept])),
-            load=max(loads) if loads else None, trusted=trusted, reference_s=reference,
-            waited_s=self.waited_s)
+            load=max(loads) if loads else None, trusted=reason is None,
+            reference_s=reference, waited_s=self.waited_s, rule=rule, reason=reason)
+
+    def _why(self, kept: list[Sample], reference: float) -> str | None:
+        """Why the kept repeats are not trusted (None: they are): the first disturbed
+        repeat's reading, or its calibration's drift, or the set's spread."""
+        for s in kept:
+            if s.load is not None and s.load > self.load:
+                return s.reason or f"other processes took {s.load:.0%} of this process's CPUs"
+            if s.drift(reference) > self.drift:
+                return (f"the calibration ran {s.drift(reference):.0%} slower than the "
+                        "fastest seen")
+        if spread(kept) > self.noisy:
+            return f"step times spread {spread(kept):.0%} (IQR / median)"
+        return None
 
     def _reference(self, key: tuple, calibration: float) -> float:
         seen = min(calibration, _FASTEST.get(key, math.inf),

@@ -141,7 +141,7 @@ class Timer:
         conditions = (str(self.device), torch.get_num_threads(),
                       *(() if self.calibrate else ("uncalibrated",)))
         kept, measured, evidence = self.guard.run(lambda: self._round(candidates), repeats,
-                                                  key=conditions)
+                                                  key=conditions, device=self.device)
         return Timing(kept, measured, evidence)
 
     def _round(self, candidates: dict[str, Work]) -> Sample:

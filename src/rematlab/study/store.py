@@ -24,7 +24,7 @@ import pandas as pd
 from rematlab.core.files import atomic_path, refuse_overwriting_inputs
 from rematlab.exceptions import ConfigError, StoreLockedError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Column name -> DuckDB type. Order is the table's column order.
 RUN_COLUMNS: dict[str, str] = {
@@ -54,6 +54,7 @@ RUN_COLUMNS: dict[str, str] = {
     "rematlab_version": "VARCHAR",
     "cfg_precision": "VARCHAR",
     "host_allocator": "VARCHAR",
+    "guard_reason": "VARCHAR",
 }
 
 # the guard's evidence (schema v3): one value per configuration, on each of its rows
@@ -61,7 +62,7 @@ GUARD_COLUMNS = ("method_guard", "calibration_s", "attempts", "calibration_drift
                  "step_spread", "foreign_load", "trusted", "calibration_reference_s")
 _V1_COLUMNS = [k for k in RUN_COLUMNS
                if k not in ("reserved_bytes", "steps_per_repeat", "waited_s", "cfg_precision",
-                            "host_allocator", *GUARD_COLUMNS)]
+                            "host_allocator", "guard_reason", *GUARD_COLUMNS)]
 
 _SUMMARY_FIGURES = ("step_s", "forward_s", "backward_s", "recompute_s", "optimizer_s",
                     "peak_bytes")
@@ -97,6 +98,9 @@ MIGRATIONS: dict[int, list[str]] = {
     # v6: the host allocator a row was measured under (`rematlab.core.hostmem`); rows from
     # before it ran under the C library's defaults, unless a benchmark changed them (NULL)
     5: ["ALTER TABLE runs ADD COLUMN host_allocator VARCHAR"],
+    # v7: why the guard did not trust a configuration, under which rule (`method_guard`,
+    # filled from now on: the CPU's or the GPU's); rows from before it say nothing (NULL)
+    6: ["ALTER TABLE runs ADD COLUMN guard_reason VARCHAR"],
 }
 
 

@@ -256,9 +256,10 @@ def sweep(
             result.outcomes[outcome] += 1
             result.measured_s += out["measured_s"]
             if progress:
-                busy = outcome == "ok" and out["rows"][0].get("trusted") is False
-                progress(spec, "untrusted (busy machine)" if busy else outcome,
-                         result.skipped + len(result), result.total)
+                row = out["rows"][0]
+                busy = outcome == "ok" and row.get("trusted") is False
+                progress(spec, f"untrusted ({row.get('guard_reason') or 'busy machine'})"
+                         if busy else outcome, result.skipped + len(result), result.total)
 
         def record_again(spec: Spec, out: dict) -> None:
             """A second attempt replaces the first only when the guard trusted it."""
