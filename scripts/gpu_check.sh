@@ -12,9 +12,10 @@
 #   CUDA tests (cuda-tests.txt)                                            60 s
 #   pre-flight replayed against the facts just recorded (replay.txt)       40 s
 #   plans: eager and torch.compile at three budgets (plans.json)           40 s
-# which is at most 5 minutes; then the study slice, resumable (slice.duckdb: rerun the script
-# and it continues), fit and stats, capped at 4 minutes together. docs/gpu.md estimates each
-# step. `--dry-run` runs the same steps on the CPU at the smallest sizes (what CI runs).
+# which is at most 5 minutes; then the seed study's GPU grid (grids/seed-study-gpu.toml) for
+# at most 4 minutes, resumable (study.duckdb: STUDY_DB=that file continues it), then fit and
+# stats. docs/gpu.md estimates each step. `--dry-run` runs the same steps on the CPU at the
+# smallest sizes (what CI runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,28 +93,36 @@ step replay 40 env REMATLAB_FACTS="$OUT/facts" "$PY" -m pytest tests/test_gpu_fa
 step plans 40 "$PY" scripts/gpu_plans.py --model vgg16 --input "$SCALE" --batch "$BATCH" \
     --device "$DEV" --compile-model "$COMPILE_MODEL" --out "$OUT/plans.json"
 
-# the study slice, last and resumable: a run cut off keeps its rows, the next one continues
-if [ "$DRY" = 1 ]; then DEVICES='["cpu"]'; BATCHES='[4, 8]'; DTYPES='["float32"]'
-else DEVICES='["cuda"]'; BATCHES='[64, 256]'; DTYPES='["float32", "bfloat16"]'; fi
-cat > "$OUT/slice.toml" <<TOML
-# a slice of the seed study's factors (grids/seed-study.toml)
-name = "seed-slice"
-batches = $BATCHES
-strategies = ["none", "uniform:2", "sqrt"]
-dtypes = $DTYPES
-devices = $DEVICES
-optimizers = ["momentum"]
-repeats = 1
-max_wait_s = 5
-max_wait_total_s = 30
+# the seed study's GPU grid (grids/seed-study-gpu.toml, 2,124 configurations, ~5.6 min on an
+# H200 by scripts/gpu_grid_estimate.py), last and resumable: a run cut off keeps its rows, and
+# a later check continues it when given the database it brought back (STUDY_DB=path)
+DB="$OUT/study.duckdb"
+if [ -n "${STUDY_DB:-}" ]; then cp "$STUDY_DB" "$DB"; fi
+if [ "$DRY" = 1 ]; then
+    GRID="$OUT/study.toml"
+    cat > "$GRID" <<TOML
+# the GPU grid's factors at this CPU's sizes (grids/seed-study-gpu.toml)
+name = "seed-study-gpu-dry"
+batches = [8]
+strategies = ["none", "uniform:2", "selective"]
+dtypes = ["float32", "bfloat16"]
+devices = ["cpu"]
+optimizers = ["sgd", "adam"]
+warmup = 2
+repeats = 3
+min_repeat_s = 0.005
 [[models]]
 name = "mlp3"
 [[models]]
 name = "lenet5"
 TOML
-step sweep 180 "$PY" -m rematlab.cli sweep "$OUT/slice.toml" --db "$OUT/slice.duckdb" --json
-step fit 30 "$PY" -m rematlab.cli fit --db "$OUT/slice.duckdb" --out "$OUT/predictor.skops" --json
-step stats 30 "$PY" -m rematlab.cli stats --db "$OUT/slice.duckdb" --markdown "$OUT/stats.md" --json
+else
+    GRID=seed-study-gpu
+fi
+step study 240 "$PY" -m rematlab.cli sweep "$GRID" --db "$DB" --max-wait 5 \
+    --max-wait-total 30 --json
+step fit 30 "$PY" -m rematlab.cli fit --db "$DB" --out "$OUT/predictor.skops" --json
+step stats 30 "$PY" -m rematlab.cli stats --db "$DB" --markdown "$OUT/stats.md" --json
 
 echo "== done in $(( $(date +%s) - start )) s: everything is in $OUT" | tee -a "$OUT/summary.txt"
 failed=$(awk -F'\t' 'NR > 1 && $2 != 0' "$OUT/steps.tsv" | wc -l)

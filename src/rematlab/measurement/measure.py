@@ -217,10 +217,11 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
         torch.set_num_threads(spec.threads)
     obs = Observation(spec=spec, outcome="ok", env=environment(device))
     clock = clock or clock_for(device)
+    least = MIN_REPEAT_SECONDS if spec.min_repeat_s is None else spec.min_repeat_s
     obs.methods = {
         "time": f"{type(clock).__name__}, device-synchronised, per phase; median and IQR "
                 f"of {spec.repeats} repeats after {spec.warmup} warm-up steps, each repeat the "
-                f"mean of the steps that last {MIN_REPEAT_SECONDS:g} s (steps_per_repeat)",
+                f"mean of the steps that last {least:g} s (steps_per_repeat)",
         "peak": f"{memory(device, None).method}, one tracked step after the first",
         "flops": "torch.utils.flop_counter.FlopCounterMode, first step, once per shape",
         "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
@@ -241,7 +242,7 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
             _step(setup, clock)  # the first step makes the optimizer state
         tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory)
         peak, reserved = tracked.run(clock)
-        timing = Timer(device, clock, guard).run(
+        timing = Timer(device, clock, guard, min_repeat_s=least).run(
             functools.partial(_step, setup), spec.repeats, warmup=spec.warmup - 2)
         kept, obs.evidence = timing.kept, timing.evidence
         obs.times = {phase: [k.times[phase] for k in kept] for phase in kept[0].times}

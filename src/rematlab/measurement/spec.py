@@ -56,6 +56,9 @@ class Spec:
     blocks: str | None = None  # e.g. transformer.h
     # the user's step (`rematlab.Step`): autocast around forward and loss, None: fp32
     precision: str | None = None  # bf16, or fp16 with a GradScaler
+    # the least seconds a timed repeat averages steps over (None: the timer's 0.2 s); a GPU
+    # grid of millisecond steps takes less, its events being exact (`grids/seed-study-gpu`)
+    min_repeat_s: float | None = None
 
     def validate(self) -> Spec:
         """Check every field; return the spec with the zoo's default input filled in."""
@@ -75,6 +78,10 @@ class Spec:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of "
                               f"{', '.join(PRECISIONS)} (or leave it out: fp32)")
+        if self.min_repeat_s is not None and not (
+                isinstance(self.min_repeat_s, (int, float)) and 0 <= self.min_repeat_s <= 60):
+            raise ConfigError(f"min_repeat_s must be seconds in [0, 60], got "
+                              f"{self.min_repeat_s!r}")
         if self.max_memory is not None and not 0 < self.max_memory <= INT64_MAX:
             raise ConfigError(f"max_memory must be positive (bytes), got {self.max_memory}")
         strat = strategies.parse(self.strategy)
@@ -115,7 +122,7 @@ class Spec:
         return cls(**d)
 
 
-_OPTIONAL_FIELDS = ("example", "input_dtype", "vocab", "blocks", "precision")
+_OPTIONAL_FIELDS = ("example", "input_dtype", "vocab", "blocks", "precision", "min_repeat_s")
 PRECISIONS = ("bf16", "fp16")  # a configuration's autocast; fp32 is the default, no field
 
 

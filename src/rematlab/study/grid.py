@@ -127,6 +127,8 @@ class Grid(BaseModel):
     precisions: list[str] = Field(default_factory=lambda: ["fp32"], min_length=1)
     warmup: int = Field(default=2, ge=2, le=MAX_REPEATS)
     repeats: int = Field(default=5, ge=1, le=MAX_REPEATS)
+    # the least seconds a timed repeat averages steps over (None: the timer's own, 0.2 s)
+    min_repeat_s: float | None = Field(default=None, ge=0, le=60, allow_inf_nan=False)
     timeout: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)
     max_memory: StrictStr | StrictInt | None = None
     threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
@@ -213,7 +215,8 @@ class Grid(BaseModel):
                                   input_shape=shape, device=device, dtype=dtype, optimizer=opt,
                                   warmup=self.warmup, repeats=self.repeats, max_memory=cap,
                                   threads=self.threads,
-                                  precision=None if prec == "fp32" else prec))
+                                  precision=None if prec == "fp32" else prec,
+                                  min_repeat_s=self.min_repeat_s))
         for spec in specs:
             spec.validate()
         return specs
