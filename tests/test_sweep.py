@@ -3,6 +3,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import duckdb
@@ -11,8 +12,16 @@ import pytest
 
 from rematlab.core import hostmem
 from rematlab.exceptions import ConfigError, StoreLockedError
+from rematlab.measurement.spec import Spec
 from rematlab.study.grid import load_grid
-from rematlab.study.store import MIGRATIONS, SCHEMA_VERSION, Store, load, trusted_only
+from rematlab.study.store import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    Store,
+    config_id,
+    load,
+    trusted_only,
+)
 from rematlab.study.sweep import sweep
 from tests import clirun
 
@@ -473,3 +482,21 @@ def test_a_bad_precision_in_a_grid_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="precision"):
         load_grid(_grid(tmp_path, body='batches = [4]\nprecisions = ["int8"]\n'
                                         '[[models]]\nname = "mlp3"\n'))
+
+
+def test_a_grid_sets_how_long_a_repeat_averages_without_changing_old_identities(tmp_path):
+    """`min_repeat_s` (issue 51): a GPU grid's millisecond steps average over a few
+    milliseconds, not 0.2 s; a configuration without it keeps its identity."""
+    from rematlab.measurement.measure import measure
+
+    plain = Spec(model="mlp3", batch=8)
+    assert "min_repeat_s" not in plain.to_dict()
+    grid = tmp_path / "g.toml"
+    grid.write_text('batches = [8]\nmin_repeat_s = 0\n[[models]]\nname = "mlp3"\n')
+    (spec,) = load_grid(grid).expand()
+    assert spec.min_repeat_s == 0 and config_id(spec.to_dict()) != config_id(plain.to_dict())
+    obs = measure(replace(spec, repeats=2))
+    assert obs.steps == [1, 1]  # one step per repeat: no minimum to fill
+    with pytest.raises(ConfigError, match="min_repeat_s"):
+        replace(plain, min_repeat_s=-1.0).validate()
+    assert load_grid("seed-study-gpu").size() >= 2064
