@@ -1,9 +1,9 @@
-"""The README is executable (issue 39): every Python block in it runs, so a moved module or a
-renamed argument breaks a test, not a newcomer. Names a block says are the user's (`model`,
-`batch`, a dataset, a Lightning module, an `Accelerator`, a `config`) are given small ones,
-by the section the block is in (`GIVEN`). Every block compiles and its imports resolve in
-`make test`; each runs whole in `make test-slow` (the 30-second example plans VGG-16 at
-batch 256, the transformer example a 12-layer GPT-2)."""
+"""The README is executable (issue 39): every Python block in it and in its long form,
+`docs/guide.md`, runs, so a moved module or a renamed argument breaks a test, not a
+newcomer. Names a block says are the user's (`model`, `batch`, a dataset, a Lightning module,
+an `Accelerator`, a `config`) are given small ones, by the section the block is in (`GIVEN`).
+Every block compiles and its imports resolve in `make test`; each runs whole in
+`make test-slow`."""
 
 import ast
 import re
@@ -15,27 +15,29 @@ from torch.utils.data import DataLoader
 
 from tests.realzoo import gpt2
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"  # the README's long form: its blocks run too
 
 
-def _blocks() -> list[tuple[str, int, str]]:
-    """(section heading, line, code) of every ```python block, in order."""
+def _blocks(path: Path) -> list[tuple[str, str, str]]:
+    """(section heading, where, code) of every ```python block of `path`, in order."""
     found, heading = [], ""
-    lines = README.read_text().splitlines()
+    lines = path.read_text().splitlines()
     i = 0
     while i < len(lines):
         if lines[i].startswith("#"):
             heading = lines[i].lstrip("#").strip()
         if lines[i].strip() == "```python":
             end = lines.index("```", i + 1)
-            found.append((heading, i + 2, "\n".join(lines[i + 1:end])))
+            found.append((heading, f"{path.name}:{i + 2}", "\n".join(lines[i + 1:end])))
             i = end
         i += 1
     return found
 
 
-BLOCKS = _blocks()
-IDS = [f"line{line}" for _, line, _ in BLOCKS]
+BLOCKS = _blocks(README) + _blocks(GUIDE)
+IDS = [where.replace(".md:", "-line") for _, where, _ in BLOCKS]
 
 
 def _your_model() -> dict:
@@ -88,27 +90,32 @@ GIVEN = {"Your step: mixed precision, accumulation, clipping, your optimizer": _
 
 
 def test_the_readme_has_python_blocks_and_each_section_with_given_names_is_known():
-    assert len(BLOCKS) >= 5
-    sections = {heading for heading, _, _ in BLOCKS}
-    assert set(GIVEN) <= sections, set(GIVEN) - sections
+    assert len(_blocks(README)) >= 5
+    for path in (README, GUIDE):
+        sections = {heading for heading, _, _ in _blocks(path)}
+        assert set(GIVEN) <= sections, (path.name, set(GIVEN) - sections)
 
 
-@pytest.mark.parametrize(("heading", "line", "code"), BLOCKS, ids=IDS)
-def test_every_block_compiles_and_its_imports_resolve(heading, line, code):
-    tree = ast.parse(code, filename=f"README.md:{line}")
+def test_the_readme_is_a_five_minute_read():
+    assert len(README.read_text().splitlines()) <= 220
+
+
+@pytest.mark.parametrize(("heading", "where", "code"), BLOCKS, ids=IDS)
+def test_every_block_compiles_and_its_imports_resolve(heading, where, code):
+    tree = ast.parse(code, filename=where)
     imports = ast.Module([n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
                          type_ignores=[])
-    exec(compile(imports, f"README.md:{line}", "exec"), {})
+    exec(compile(imports, where, "exec"), {})
     # every rematlab.<name> the block calls exists
     import rematlab
 
     for name in set(re.findall(r"\brematlab\.([A-Za-z_]\w*)\b", code)):
-        assert hasattr(rematlab, name), f"README.md:{line}: rematlab.{name}"
+        assert hasattr(rematlab, name), f"{where}: rematlab.{name}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("heading", "line", "code"), BLOCKS, ids=IDS)
-def test_every_block_runs(heading, line, code, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("heading", "where", "code"), BLOCKS, ids=IDS)
+def test_every_block_runs(heading, where, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # what trainers write (checkpoints, logs) stays in the test's
     namespace = GIVEN.get(heading, dict)()
-    exec(compile(code, f"README.md:{line}", "exec"), namespace)
+    exec(compile(code, where, "exec"), namespace)
