@@ -202,3 +202,24 @@ def test_tick_labels_never_overlap(monkeypatch):
     assert all(sum(t.label1.get_visible() and bool(t.label1.get_text())
                    for t in ax.xaxis.get_major_ticks() + ax.xaxis.get_minor_ticks()) >= 2
                for ax in tidy.axes if ax.get_visible() and ax.has_data())
+
+
+def test_figures_read_at_a_glance():
+    """Issue 52: no offset notation where values barely vary (the planner figure read
+    `1e-6+5.2461e1` on MLP-3), a flat line widened to a readable range, and point labels
+    that would collide (a Pareto figure's batch sizes) shown once."""
+    import matplotlib.pyplot as plt
+
+    from rematlab.study.figures import _no_overlapping_ticks, plain_axes
+
+    fig, ax = plt.subplots()
+    ax.plot([1.0, 2.0], [52.4611, 52.4611 + 1e-6])
+    for _ in range(3):
+        ax.annotate("64", (1.5, 52.4611))  # three labels at one point
+    plain_axes(ax)
+    _no_overlapping_ticks(fig)
+    assert ax.yaxis.get_offset_text().get_text() == ""
+    lo, hi = ax.get_ylim()
+    assert hi - lo > 5  # ±5 % around 52.46 MiB
+    assert sum(t.get_visible() for t in ax.texts) == 1
+    plt.close(fig)

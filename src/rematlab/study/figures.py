@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import ScalarFormatter
 
 from rematlab.study.store import trusted_mask
 
@@ -44,10 +45,18 @@ def _no_overlapping_ticks(fig: plt.Figure) -> None:
     """Hide tick labels that would overlap a neighbour (a log axis over less than a decade
     labels its minor ticks too, and a narrow panel runs them together): major labels are
     kept first, each dropped where it meets one already kept, then minor labels where they
-    meet none."""
+    meet none. Point labels (a Pareto figure's batch sizes) likewise: each kept unless it
+    meets one already kept."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     for ax in fig.axes:
+        placed: list = []
+        for text in ax.texts:
+            box = text.get_window_extent(renderer)
+            if any(box.overlaps(k) for k in placed):
+                text.set_visible(False)
+            else:
+                placed.append(box)
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
             kept: list = []
@@ -64,7 +73,26 @@ def _no_overlapping_ticks(fig: plt.Figure) -> None:
                         kept.append(box)
 
 
+def plain_axes(ax: plt.Axes) -> None:
+    """Linear axes in plain numbers (no `1e-6+5.2461e1` offset where the values barely
+    vary), and a degenerate range (one value, or a spread below 1 % of it) widened by 5 %
+    either side, so that a flat line reads as what it is."""
+    for axis, get, set_ in ((ax.xaxis, ax.get_xlim, ax.set_xlim),
+                            (ax.yaxis, ax.get_ylim, ax.set_ylim)):
+        if axis.get_scale() != "linear":
+            continue
+        formatter = ScalarFormatter(useOffset=False)
+        formatter.set_scientific(False)
+        axis.set_major_formatter(formatter)
+        lo, hi = get()
+        mid = (lo + hi) / 2
+        if mid and hi - lo < 0.01 * abs(mid):
+            set_(mid - 0.05 * abs(mid), mid + 0.05 * abs(mid))
+
+
 def _png(fig: plt.Figure) -> str:
+    for ax in fig.axes:
+        plain_axes(ax)
     _no_overlapping_ticks(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -165,6 +193,9 @@ def planner_figure(plans: pd.DataFrame) -> str | None:
         g = plans[plans["model"] == model].sort_values("budget")
         mib = g["budget"] / 2**20
         top, bottom = axes[0, j], axes[1, j]
+        if g["budget"].nunique() == 1:  # one point: say so, rather than draw a bare dot
+            top.text(0.5, 0.05, f"one feasible budget: {mib.iloc[0]:.1f} MiB",
+                     transform=top.transAxes, ha="center", fontsize=7)
         top.plot(mib, g["measured_peak"] / 2**20, marker="o", label="plan, measured peak")
         top.plot(mib, mib, color="gray", lw=0.8, label="budget")
         top.set_title(model)
