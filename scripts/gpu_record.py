@@ -87,7 +87,7 @@ def card(device: torch.device) -> dict:
         return {"name": "cpu", "profile": "cpu", "capability": None, "total_memory": None,
                 "driver": None, "cuda": None}
     props = torch.cuda.get_device_properties(device)
-    sheet = profile_of_device(props.name)
+    sheet = profile_of_device(props.name, props.total_memory)
     driver = None
     with contextlib.suppress(OSError, IndexError, subprocess.SubprocessError):
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",

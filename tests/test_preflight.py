@@ -513,3 +513,19 @@ def test_preflight_under_bf16_autocast_counts_the_matmuls_scratch():
     for plan in (predicted.choose(predicted.floor_budget()), predicted.unconstrained):
         peak = measured.measure(plan)
         assert peak <= plan.predicted_peak <= 1.02 * peak, (plan.describe(), peak)
+
+
+@pytest.mark.parametrize(("name", "memory_mib", "profile"), [
+    ("NVIDIA H100 80GB HBM3", 81082, "h100-80gb"),
+    ("NVIDIA H100 PCIe", 81559, None),  # the PCIe card's rates are not the SXM profile's
+    ("NVIDIA A100-SXM4-80GB", 81038, "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", 40536, None),  # an "A100" is not always the 80 GB one
+    ("NVIDIA H200", 143156, "h200"),
+    ("NVIDIA GeForce RTX 4090", 24563, "rtx4090"),
+    ("NVIDIA B200", 183359, None),
+])
+def test_a_card_maps_to_its_profile_by_name_memory_and_form_factor(name, memory_mib, profile):
+    from rematlab.preflight.targets import profile_of_device
+
+    found = profile_of_device(name, memory_mib << 20)
+    assert (found.name if found else None) == profile

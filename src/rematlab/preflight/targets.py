@@ -179,6 +179,9 @@ PROFILES: dict[str, Target] = {t.name: t for t in (
 DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"),
                 ("V100", "v100-32gb"), ("L40S", "l40s"), ("L40", "l40"),
                 ("RTX 4090", "rtx4090"), ("MI300X", "mi300x"), ("MI250X", "mi250x-gcd"))
+# profiles of the SXM card alone: the PCIe card of the same name is slower (H100 PCIe: FP32 51
+# TFLOPS, BF16 756, HBM2e 2.0 TB/s against 67, 989 and 3.35)
+SXM_ONLY = frozenset(("h100-80gb", "h200"))
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090",
            "rtx-4090": "rtx4090", "mi300": "mi300x", "h200-141gb": "h200", "v100": "v100-32gb",
            "mi250x": "mi250x-gcd"}
@@ -187,11 +190,20 @@ ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090",
 BOUNDS = {"slow": 0, "typical": 1, "fast": 2}
 
 
-def profile_of_device(device_name: str) -> Target | None:
-    """The data-sheet profile of a device named as torch names it ("NVIDIA H100 80GB HBM3"),
-    None for one not in `PROFILES`."""
+def profile_of_device(device_name: str, memory: int | None = None) -> Target | None:
+    """The data-sheet profile of a device named as torch names it ("NVIDIA H100 80GB HBM3")
+    with `memory` bytes (`total_memory`, when known); None for one not in `PROFILES`. The
+    name's model is not enough: an "A100" may have 40 GB, an "H100" may be the PCIe card,
+    whose rates are lower than the SXM profile's. A card whose memory is more than 10 % off
+    its profile's, or whose form factor is not the profile's, has none (a calibrated target,
+    `calibrated("cuda")`, measures it instead)."""
     name = device_name.upper()
-    return next((PROFILES[p] for part, p in DEVICE_NAMES if part in name), None)
+    found = next((PROFILES[p] for part, p in DEVICE_NAMES if part in name), None)
+    if found is None or ("PCIE" in name and found.name in SXM_ONLY):
+        return None
+    if memory is not None and abs(memory - found.memory) > 0.1 * found.memory:
+        return None
+    return found
 
 
 def seconds(ops: list[LoggedOp], target: Target, bound: str = "typical") -> float:
@@ -348,7 +360,7 @@ def calibrated(kind: str = "cpu") -> Target:
     fields = measure(kind)
     if kind == "cuda":  # the terms a data-sheet profile has, for this card
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        sheet = profile_of_device(props.name)
+        sheet = profile_of_device(props.name, props.total_memory)
         rocm = getattr(props, "gcnArchName", None) if torch.version.hip else None
         fields.update(card_terms(sheet.name if sheet else None, (props.major, props.minor),
                                  torch.version.cuda, rocm))
