@@ -30,6 +30,7 @@ import torch
 from rematlab.core.files import cache_dir, write_text
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
+from rematlab.preflight.allocator import MIN_BLOCK
 from rematlab.preflight.calibrate import VERSION, measure
 from rematlab.preflight.cards import (
     CUBLAS_DEFAULT,
@@ -95,7 +96,7 @@ class Target:
     @property
     def unit(self) -> int:
         """Allocation granularity: the CUDA caching allocator's 512-byte blocks."""
-        return 512 if self.kind == "cuda" else 1
+        return MIN_BLOCK if self.kind == "cuda" else 1
 
     @property
     def blas_resident(self) -> int:

@@ -16,6 +16,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.measurement import zoo
 from rematlab.measurement.hardware import device_peaks
 from rematlab.measurement.spec import PRECISIONS, Spec
+from rematlab.preflight.allocator import MIN_BLOCK
 from rematlab.remat import strategies
 from rematlab.study.store import trusted_only
 
@@ -27,7 +28,6 @@ ANALYTIC = ["log_param_bytes", "log_state_bytes", "log_saved_bytes", "log_larges
             "recompute_ratio", "n_conv", "n_linear", "n_pool", "n_norm", "n_blocks",
             "log_peak_flops", "log_bandwidth", "log_input_bytes"]
 MIN_FIT = 10  # configurations: five folds of two
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
 
 @cache  # one per shape a dataset holds: a few hundred at the study's scale
@@ -65,7 +65,7 @@ def features(spec: Spec, device_name: str | None = None, threads: int | None = N
     from rematlab.plans.simulate import held_bytes, simulate
 
     spec = spec.validate()
-    unit = CUDA_BLOCK if spec.device.startswith("cuda") else 1
+    unit = MIN_BLOCK if spec.device.startswith("cuda") else 1  # the allocator's blocks
     costs, kinds, input_bytes = _chain_costs(spec.model, spec.input, spec.input_shape, spec.batch,
                                        spec.dtype, spec.optimizer, unit)
     strat = strategies.parse(spec.strategy)
