@@ -317,8 +317,8 @@ def prepare(
                                           target, ops)
         if user_step.layout is None:
             return Planning(model, st, example_inputs, costs,
-                            solve(costs, layers=st.kind == "layers"), False, False,
-                            user_step, tgt)
+                            solve(costs, layers=st.kind == "layers"), verify=False,
+                            compile=False, step=user_step, target=tgt)
         if not predict and any(t.is_meta for t in tensors(example_inputs)):
             raise ConfigError("a measured rank runs the batch: give real tensors (a batch of "
                               "shapes only is for predict=True)")
@@ -326,8 +326,8 @@ def prepare(
         costs, engine = for_rank(model, profiled, example_inputs, st, user_step, costs, tgt,
                                  source)
         return Planning(model, st, example_inputs, costs,
-                        solve(costs, layers=st.kind == "layers"), verify, False, user_step,
-                        tgt, ranks=engine)
+                        solve(costs, layers=st.kind == "layers"), verify=verify,
+                        compile=False, step=user_step, target=tgt, ranks=engine)
     dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
@@ -353,8 +353,8 @@ def prepare(
     elif dev.type == "cuda":  # the BLAS workspaces the measured step holds (`StepMemory`)
         costs = pred.with_resident(costs, blas_resident(device_blas_workspace(dev)))
     solution = solve(costs, layers=st.kind == "layers")
-    planning = Planning(model, st, batch, costs, solution, verify, compile, user_step,
-                        ranks=engine)
+    planning = Planning(model, st, batch, costs, solution, verify=verify, compile=compile,
+                        step=user_step, ranks=engine)
     if compile:  # torch.compile's own budget as candidates, each measured (`compiled`)
         planning.compiled = CompiledCandidates(planning, tuple(fractions))
     return planning

@@ -45,7 +45,7 @@ def profile_chain(
     blocks: list[nn.Module],
     example_input: Batch,
     device: torch.device | None = None,
-    optimizer: str | None = "sgd",
+    optimizer: str | None = "momentum",
     repeats: int = 3,
     unit: int = 1,
     compile: bool = False,
