@@ -27,6 +27,7 @@ import torch
 from rematlab.core.clocks import Clock, clock_for
 from rematlab.core.guard import LOAD, Calibration, Evidence, Guard, HostLoad, Sample
 from rematlab.core.spread import iqr
+from rematlab.core.steps import unit_loss
 
 MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough calls to last at least this long
 MAX_CALLS_PER_REPEAT = 1000
@@ -173,7 +174,7 @@ def time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor
         forward = clock.stop()
         clock.start()
         if out.requires_grad:
-            out.backward(torch.ones_like(out))
+            unit_loss(out).backward()  # the gradient made inside autograd, freed once used
         backward = clock.stop()
         return {"forward": forward, "backward": backward, "step": forward + backward}
 

@@ -81,7 +81,7 @@ def _warmed(run: Callable, block: nn.Module, x_in: torch.Tensor) -> Callable:
     for _ in range(2):
         out = run(x_in)
         if out.requires_grad:
-            out.backward(torch.ones_like(out))
+            unit_loss(out).backward()  # the gradient made inside autograd, freed once used
     del out
     for p in block.parameters():
         p.grad = None
