@@ -12,6 +12,12 @@ configuration. Three signals say it, each cheap:
   the signal on a GPU shared with another process, and where `/proc` is not there;
 - *spread*: the step times' IQR over their median.
 
+That is the CPU's rule. A CUDA configuration is judged by the GPU's instead
+(`rematlab.core.card`): another process on the card, clocks slowed by heat or the hardware,
+the launch thread's wait for a CPU, with the calibration kernel sized for a GPU; the host's
+other cores do not slow a step that runs on the card. Each row names the rule that judged it
+and, when untrusted, why (`Evidence.rule`, `Evidence.reason`).
+
 Each repeat carries its own load and calibration, so the guard judges repeats, not whole
 measurements: a disturbed repeat is measured again once the host is quiet, and a set whose
 spread is too wide has its outlier measured again, within a budget of `retries`
