@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.publish import publish
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,10 +58,7 @@ def main() -> None:
     lines += [f"| {i + 1} | {t:.1f} s | {load:.2f} | {rc} | `{out}` |"
               for i, (t, load, rc, out) in enumerate(rows)]
     lines += ["", f"Median: **{median:.1f} s**, a fresh interpreter and its imports included."]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_models import _side_by_side
 
+from benchmarks.publish import publish
 from rematlab.core import hostmem
 from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
@@ -77,10 +78,7 @@ def main() -> None:
         lines.append(f"| {name} | {format_bytes(budget) if budget else '—'} | "
                      f"`{plan.describe()}` | {format_bytes(peak)} | "
                      f"{got[name][0] / base:.3f}x ±{got[name][1]:.0%} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

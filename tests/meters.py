@@ -42,18 +42,21 @@ def user_loop_peak(model, batch, *, precision=None, micro_batches=1, clip=None,
     `torch.amp.GradScaler`), `micro_batches` forwards per optimizer step with the loss
     divided, `clip_grad_norm_`, then the optimizer (AdamW by default). Two warm-up steps
     make the optimizer state; the third is measured by torch's MemTracker, or, for several
-    forwards per step (which MemTracker refuses), by the live-storage tracker."""
+    forwards per step (which MemTracker refuses), by the live-storage tracker. `batch` is
+    one micro-batch, run `micro_batches` times, or a list of micro-batches, each its own
+    tensors, as a data loader yields them."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[precision]
     opt = optimizer(model.parameters()) if optimizer else torch.optim.AdamW(
         model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    batches = batch if isinstance(batch, list) else [batch] * micro_batches
 
     def step():
         opt.zero_grad(set_to_none=True)
-        for _ in range(micro_batches):
+        for mb in batches:
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                out = call(model, batch)
-                loss = default_loss(out, batch) / micro_batches
+                out = call(model, mb)
+                loss = default_loss(out, mb) / len(batches)
             (scaler.scale(loss) if scaler else loss).backward()
             del out, loss
         if scaler:

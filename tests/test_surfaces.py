@@ -4,6 +4,7 @@ function priced wherever a step is, chains and pre-flight included; nothing it d
 as a traceback; and the floor plan's budget kept in loops that differ from rematlab's own
 within what the `Step` describes."""
 
+import functools
 import json
 import random
 import sys
@@ -17,6 +18,7 @@ from rematlab import DDP, FSDP, ConfigError, Step
 from rematlab.exceptions import OutOfMemory
 from rematlab.remat.strategies import RematChain
 from tests import clirun
+from tests.meters import user_loop_peak
 from tests.realzoo import _causal_lm, gpt2
 
 STEP_FNS = '''
@@ -334,45 +336,6 @@ def test_hf_trainer_with_an_empty_dataset_is_one_error():
 
 # -- the floor budget in loops that differ from rematlab's own within the Step --
 
-def _held_back_loop_peak(model, micro_batches, precision, clip) -> int:
-    """A loop written apart from rematlab's: each micro-batch its own tensors, the loss
-    divided inside autocast, `del out` after backward, a real GradScaler under fp16,
-    clipping, foreach AdamW; the third step metered by the live-storage tracker."""
-    from rematlab.core.batch import tensors
-    from rematlab.core.probes import LiveTensorTracker
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        for mb in micro_batches:
-            with torch.autocast("cpu", dtype=dtype):
-                out = model(**mb)
-                loss = out.loss / len(micro_batches)
-            (scaler.scale(loss) if scaler else loss).backward()
-            del out, loss
-        if scaler:
-            scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-
-    step()
-    step()
-    tracker = LiveTensorTracker()
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    tracker.track([*model.parameters(), *model.buffers(), *state,
-                   *(t for mb in micro_batches for t in tensors(mb))])
-    with tracker:
-        step()
-    return tracker.peak
-
-
 @pytest.mark.parametrize(("family", "precision"), [("qwen2", "bf16"), ("mistral", "fp16")])
 def test_the_floor_budget_holds_in_a_held_back_user_loop(family, precision):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -391,7 +354,12 @@ def test_the_floor_budget_holds_in_a_held_back_user_loop(family, precision):
     floor = planning.floor_budget()
     chosen = planning.choose(floor)
     assert chosen.segments
-    peak = _held_back_loop_peak(rematlab.apply(model, chosen), micro, precision, 1.0)
+    # a loop written apart from rematlab's: each micro-batch its own tensors, the loss divided
+    # inside autocast, `del out` after backward, a real GradScaler under fp16, clipping,
+    # foreach AdamW; metered by the live-storage tracker
+    peak = user_loop_peak(rematlab.apply(model, chosen), micro, precision=precision, clip=1.0,
+                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-4,
+                                                      foreach=True), meter="live")
     assert peak <= floor, (chosen.describe(), peak, floor)
 
 
