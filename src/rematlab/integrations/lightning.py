@@ -5,8 +5,10 @@ What is read: `trainer.precision` (`"bf16-mixed"`, `"16-mixed"` with a GradScale
 ...), `accumulate_grad_batches` (micro-batches), `gradient_clip_val` (clipping by norm), the
 class and defaults of the optimizer `configure_optimizers` made, and the first batch. The
 plan is made for the module's `attr` (default `"model"`, where a LightningModule usually
-keeps its network), with that network's own loss (`out.loss`) or `loss_fn(out, batch)`; the
-output dies before backward (`training_step` returns the loss).
+keeps its network), and the step priced is the module's own `training_step` with the planned
+network in its place, however it hands the batch to the network (`x, y = batch`, a dict);
+with `loss_fn`, the network on the batch and `loss_fn(out, batch)`. Either way the output
+dies before backward (`training_step` returns the loss).
 """
 
 from __future__ import annotations
