@@ -6,7 +6,8 @@ recorded as such and the others still run.
 Per model, in the user's bf16 autocast step with AdamW: three plans predicted for the card's
 data-sheet profile (floor, midway, unconstrained), each run and its allocated and reserved
 peaks measured (the allocator's cache emptied and its peaks reset first); per layer, the ops
-dispatched and the bytes saved, in fp32 and under autocast; the CUDA context. `--dry-run`
+dispatched and the bytes saved, in fp32 and under autocast; GPT-2's first layer's op-level
+menu measured on the card (`gpufacts.option_facts`); the CUDA context. `--dry-run`
 records on this CPU at the smallest sizes, in the same format (what CI runs).
 
     python scripts/gpu_record.py --out gpu-check/facts            # on a GPU, ~2 minutes
@@ -74,11 +75,14 @@ def record_model(name: str, kwargs: dict, device: torch.device, profile: str) ->
         for precision in ("fp32", "bf16"):
             layers[precision] = gpufacts.layer_facts(
                 model, batch, Step(precision=precision), device.type)
+    options = None
+    if name in gpufacts.OPTION_MODELS:  # the op-level menu, measured under the step
+        options = gpufacts.option_facts(prepare(model, batch, step=step, ops=True))
     context = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         context = total - free - torch.cuda.memory_reserved(device)
-    return {"plans": rows, "layers": layers, "context": context}
+    return {"plans": rows, "layers": layers, "options": options, "context": context}
 
 
 def card(device: torch.device) -> dict:
@@ -120,7 +124,8 @@ def main() -> None:
              "recorded": datetime.date.today().isoformat(),
              "how": "scripts/gpu_record.py" + (" --dry-run" if args.dry_run else ""),
              "step": {"precision": "bf16", "optimizer": "AdamW"},
-             "context": {}, "models": {}, "plans": [], "layers": {}, "failed": {}}
+             "context": {}, "models": {}, "plans": [], "layers": {}, "options": {},
+             "failed": {}}
     for name in args.models.split(","):
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "--out", args.out, "--one", name,
@@ -139,6 +144,8 @@ def main() -> None:
         facts["plans"] += one["plans"]
         if one["layers"]:
             facts["layers"][name] = one["layers"]
+        if one["options"]:
+            facts["options"][name] = one["options"]
         if one["context"] is not None:
             facts["context"][name] = one["context"]
         print(f"{name}: {len(one['plans'])} plans in {time.perf_counter() - t0:.0f} s",

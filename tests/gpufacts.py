@@ -11,7 +11,10 @@ the same format); `scripts/gpu_preflight.py` builds the same models. A fact file
 - `models`: name -> the builder (`MODELS`) and its keyword arguments, and the step (`STEP`);
 - `plans`: per model, each plan measured (`Plan.describe`), its allocated and reserved peak;
 - `layers` (optional): per model and precision, per layer, the aten ops dispatched in its
-  forward (names, in order) and the bytes autograd saved for backward.
+  forward (names, in order) and the bytes autograd saved for backward;
+- `options` (optional): per model, its first layer's op-level menu as the planner measured it
+  under the step (`option_facts`): the plain layer's saved bytes and times, and each option's
+  saves or recomputed submodules, saved bytes and times (issue 50).
 
 A new fact file from any GPU tightens the tests with no code change.
 """
@@ -139,3 +142,20 @@ def predicted_layer_facts(model: torch.nn.Module, batch: object, step: Step, cud
     fake_model, fake_batch = session.model(model), session.batch(batch)
     with session.active():
         return layer_facts(fake_model, fake_batch, step, "cpu")
+
+
+OPTION_MODELS = ("gpt2",)  # the models whose op-level menu is recorded (`option_facts`)
+
+
+def option_facts(planning: object) -> dict:
+    """The first layer's op-level menu of a `prepare(..., ops=True)` planning (measured on
+    the card, or predicted for it): the plain layer's saved bytes and forward and backward
+    seconds, and per option its name, saves, recomputed submodules, saved bytes and times."""
+    costs = planning.costs
+    first = 1 if planning.structure.kind == "layers" else 0
+    return {"plain": {"saved": costs.saved[first], "fwd_time": costs.fwd_time[first],
+                      "bwd_time": costs.bwd_time[first]},
+            "options": [{"name": o.name, "saves": [list(s) for s in o.saves],
+                         "modules": list(o.modules), "saved": o.saved,
+                         "fwd_time": o.fwd_time, "bwd_time": o.bwd_time}
+                        for o in costs.menu(first)]}

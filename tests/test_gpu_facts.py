@@ -117,6 +117,43 @@ def assert_layers_match(facts: dict) -> int:
     return compared
 
 
+def assert_options_match(facts: dict, target: object) -> int:
+    """Every recorded op-level option that does not follow timings (the block kept with its
+    activations recomputed; every matmul's output saved) is on pre-flight's menu for
+    `target`, holding the same bytes within 1 %: the number compared. The greedy save sets
+    follow the ops' times, measured on the card and priced by the roofline here, so they
+    may differ."""
+    from rematlab.remat.ops import MATMULS
+
+    compared = 0
+    for model, recorded in facts.get("options", {}).items():
+        built, batch = gpufacts.build(model, facts["models"][model])
+        predicted = gpufacts.option_facts(prepare(built, batch, predict=True, target=target,
+                                                  step=gpufacts.step(), ops=True))
+        mine = {(tuple(map(tuple, o["saves"])), tuple(o["modules"])): o
+                for o in predicted["options"]}
+        for option in recorded["options"]:
+            key = (tuple(map(tuple, option["saves"])), tuple(option["modules"]))
+            fixed = not option["saves"] or all(n in MATMULS for n, _ in option["saves"])
+            if key not in mine:
+                assert not fixed, (model, option["name"], sorted(o["name"] for o in
+                                                                 predicted["options"]))
+                continue
+            got, want = mine[key]["saved"], option["saved"]
+            assert abs(got - want) <= 0.01 * want, (model, option["name"], got, want)
+            compared += 1
+    return compared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", gpufacts.fact_files(), ids=lambda p: p.parent.name)
+def test_recorded_options_are_on_preflights_menu_with_their_bytes(path):
+    facts = gpufacts.load(path)
+    if not facts.get("options"):
+        pytest.skip("no op-level menu recorded in this fact file")
+    assert assert_options_match(facts, PROFILES[facts["card"]["profile"]]) > 0
+
+
 @pytest.mark.parametrize("path", gpufacts.fact_files(), ids=lambda p: p.parent.name)
 def test_recorded_layers_match_preflights_ops_and_saved_bytes(path):
     assert_layers_match(gpufacts.load(path))  # a file without layers (converted) has none
@@ -135,3 +172,6 @@ def test_the_recorders_dry_run_writes_facts_the_replay_reads(tmp_path):
     assert not facts["failed"] and facts["plans"]
     assert all(r["allocated"] > 0 for r in facts["plans"])
     assert assert_layers_match(facts) == 2 * len(facts["layers"]["gpt2"]["fp32"])
+    menu = facts["options"]["gpt2"]["options"]
+    assert any(o["modules"] == ["mlp.act"] for o in menu)  # the module-level option
+    assert assert_options_match(facts, "cpu") >= 2  # it and "save matmuls", byte for byte
