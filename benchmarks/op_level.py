@@ -39,6 +39,7 @@ from rematlab.core import hostmem
 from rematlab.core.units import format_bytes
 from rematlab.measurement import zoo
 from rematlab.planning.planner import Planning, prepare
+from rematlab.planning.verify import step_peak
 from rematlab.plans.plan import Plan, Selective
 from rematlab.remat.ops import MATMULS
 from rematlab.remat.strategies import apply
@@ -260,10 +261,11 @@ def _dispatch_cost(planning: Planning) -> str:
 def _hf_fitting(model, planning: Planning, budget: int) -> dict[int, int]:
     """transformers' `every_n_layers=k` with the largest k whose measured peak fits (the
     fewest checkpointed layers, so the fastest of those that fit)."""
-    n = planning.costs.n
     for k in range(len(planning.structure.blocks), 0, -1):
         model.activation_checkpointing_enable(every_n_layers=k)
-        peak = planning.measure(Plan(n, tuple(range(n))))
+        # the model itself, its own checkpointing on: no plan goes on top (rematlab refuses
+        # to checkpoint inside transformers' checkpoints)
+        peak = step_peak(model, model, planning.batch, planning.costs, planning.step)
         model.activation_checkpointing_disable()
         if peak <= budget:
             return {k: peak}

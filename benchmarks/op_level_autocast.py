@@ -3,13 +3,15 @@
     .venv/bin/python benchmarks/op_level_autocast.py [--rounds 5]
         [--out docs/benchmarks/op-level-autocast.md]
 
-GPT-2 (4 layers, width 256, 8 x 256 tokens) trained in bf16 autocast with AdamW. For three
-budgets between the floor and keeping everything: the plan with op-level options
-(`prepare(..., ops=True)`) and the per-layer plan (`ops=False`), with every layer under each
-kind of option alone (each dispatch-mode save set; the module-level "recompute mlp.act") and
-every layer checkpointed. All step times are medians of interleaved rounds of the same step
-(`Step(precision="bf16")`, one timer under the interference guard), as ratios to keeping
-everything measured in the same rounds; peaks are the planner's measured step peaks.
+GPT-2 and a Llama-style decoder (4 layers, width 256, 8 x 256 tokens) trained in bf16
+autocast with AdamW. For three budgets between the floor and keeping everything: the plan
+with op-level options (`prepare(..., ops=True)`), the per-layer plan (`ops=False`) and
+transformers' `every_n_layers` (the largest n that fits); then every layer under each option
+of the menu alone (the dispatch-mode save sets; the module-level "recompute mlp.act"), under
+torchtitan's op-level policy (`titan_plan`), and checkpointed whole. All step times are
+medians of interleaved rounds of the same step (`Step(precision="bf16")`, one timer under the
+interference guard), as ratios to keeping everything measured in the same rounds; peaks are
+the planner's measured step peaks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from op_level import _hf_fitting, _hf_run
 from real_models import _side_by_side
 
 from benchmarks.publish import publish
@@ -35,49 +38,91 @@ from rematlab.remat.strategies import apply
 from tests import realzoo
 
 
+def titan_plan(model, batch, step: Step, planning) -> Plan:
+    """torchtitan's op-level policy on every layer (`torchtitan/.../activation_checkpoint.py`,
+    `_custom_policy`): save `aten.mm` outputs except every second one, and the fused attention
+    kernels' outputs; recompute the rest. On GPT-2, whose projections run `addmm`, it saves
+    no matmul at all."""
+    from tests.gpufacts import layer_facts
+
+    layers = layer_facts(model, batch, step, "cpu")
+    c = planning.costs
+    items = [0]
+    for i, facts in enumerate(layers, start=1):
+        counts: dict[str, int] = {}
+        saves = []
+        for op in facts["ops"]:
+            k = counts.get(op, 0)
+            counts[op] = k + 1
+            if (op == "mm" and k % 2 == 0) or op.startswith("_scaled_dot_product"):
+                saves.append((f"aten.{op}.default", k))
+        items.append(Selective(i, "torchtitan", tuple(saves), ""))
+    return Plan(c.n, (*items, c.n - 1))
+
+
+def bench(name: str, make, step: Step, rounds: int) -> list[str]:
+    """One model's rows: at three budgets the op-level plan, the per-layer plan and
+    transformers' `every_n_layers` (the largest that fits); every layer under each option of
+    the menu, under torchtitan's policy, and checkpointed whole."""
+    torch.manual_seed(0)
+    model, batch = make()
+    model.train()
+    ops = prepare(model, batch, step=step, ops=True)
+    layer = prepare(model, batch, step=step)
+    c = ops.costs
+    n = c.n
+    candidates: dict[str, tuple] = {}
+    floor, full = ops.floor_budget(), ops.full
+    for f in (0.25, 0.5, 0.75):
+        budget = int(floor + f * (full - floor))
+        candidates[f"{f:.2f} op-level"] = (ops.choose(budget), budget)
+        candidates[f"{f:.2f} per-layer"] = (layer.choose(max(budget, layer.floor_budget())),
+                                            budget)
+        for k, peak in _hf_fitting(model, ops, budget).items():
+            candidates[f"{f:.2f} every_n_layers={k}"] = (("hf", k, peak), budget)
+    candidates["every layer checkpointed"] = (Plan(n, (0, *[
+        Segment(i, i + 1, (i,)) for i in range(1, n - 1)], n - 1)), None)
+    for k, opt in enumerate(c.menu(1)):
+        candidates[f"every layer: {opt.name}"] = (Plan(n, (0, *[
+            Selective.of(i, c.menu(i)[k]) for i in range(1, n - 1)], n - 1)), None)
+    candidates["every layer: torchtitan's policy"] = (titan_plan(model, batch, step, ops),
+                                                      None)
+    def planned(p: Plan):  # transformers' own checkpointing off first: an HF run may precede
+        return lambda: (model.activation_checkpointing_disable(), apply(model, p))[1]
+    runs = {k: _hf_run(model, p[1]) if isinstance(p, tuple) else planned(p)
+            for k, (p, _) in candidates.items()}
+    got, evidence = _side_by_side(runs, batch, model, rounds, step)
+    base = got["none"][0]
+    lines = [f"### {name}", "",
+             f"Timings {'trusted' if evidence.trusted else 'NOT trusted (busy machine)'}.", "",
+             "| candidate | budget | plan | measured peak | time / none (± IQR) |",
+             "|---|---|---|---|---|"]
+    for label, (plan, budget) in candidates.items():
+        if isinstance(plan, tuple):
+            text, peak = f"transformers every_n_layers={plan[1]}", plan[2]
+        else:
+            text, peak = plan.describe(), ops.measure(plan)
+        lines.append(f"| {label} | {format_bytes(budget) if budget else '—'} | `{text}` | "
+                     f"{format_bytes(peak)} | {got[label][0] / base:.3f}x "
+                     f"±{got[label][1]:.0%} |")
+    return [*lines, ""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     hostmem.own_process()
-    torch.manual_seed(0)
-    model, batch = realzoo.gpt2(batch=8, seq=256, layers=4, width=256)
-    model.train()
     step = Step(precision="bf16", optimizer=torch.optim.AdamW)
-    ops = prepare(model, batch, step=step, ops=True)
-    layer = prepare(model, batch, step=step)
-    c = ops.costs
-    n = c.n
-    every = {"every layer checkpointed": Plan(n, (0, *[Segment(i, i + 1, (i,))
-                                                     for i in range(1, n - 1)], n - 1))}
-    for k, opt in enumerate(c.menu(1)):
-        every[f"every layer: {opt.name}"] = Plan(
-            n, (0, *[Selective.of(i, c.menu(i)[k]) for i in range(1, n - 1)], n - 1))
-    floor, full = ops.floor_budget(), ops.full
-    rows = []
-    for f in (0.25, 0.5, 0.75):
-        budget = int(floor + f * (full - floor))
-        rows.append((f"{f:.2f} op-level", ops.choose(budget), budget))
-        rows.append((f"{f:.2f} per-layer", layer.choose(max(budget, layer.floor_budget())),
-                     budget))
-    candidates = {name: plan for name, plan, _ in rows} | every
-    got, evidence = _side_by_side({k: lambda p=p: apply(model, p)
-                                   for k, p in candidates.items()}, batch, model, args.rounds,
-                                  step)
-    base = got["none"][0]
+    models = {"GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
+              "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256)}
     lines = ["# Op-level plans under bf16 autocast", "",
              f"Produced by `python benchmarks/op_level_autocast.py --rounds {args.rounds}` "
              f"(module docstring), torch {torch.__version__}, {torch.get_num_threads()} "
-             f"threads; timings {'trusted' if evidence.trusted else 'NOT trusted (busy machine)'}.",
-             "", "| candidate | budget | plan | measured peak | time / none (± IQR) |",
-             "|---|---|---|---|---|"]
-    for name, plan in candidates.items():
-        budget = next((b for k, _, b in rows if k == name), None)
-        peak = ops.measure(plan)
-        lines.append(f"| {name} | {format_bytes(budget) if budget else '—'} | "
-                     f"`{plan.describe()}` | {format_bytes(peak)} | "
-                     f"{got[name][0] / base:.3f}x ±{got[name][1]:.0%} |")
+             "threads.", ""]
+    for name, make in models.items():
+        lines += bench(name, make, step, args.rounds)
     publish("\n".join(lines) + "\n", args.out)
 
 
