@@ -1,4 +1,5 @@
 import numpy as np
+import pandas as pd
 import pytest
 from scipy import stats as sps
 
@@ -132,3 +133,18 @@ def test_configurations_the_guard_did_not_trust_are_left_out_and_counted():
     polluted = everything.effects.set_index(["architecture", "strategy"])
     assert polluted.loc[("vgg16", "sqrt"), "time_change"] > 0.5
     assert not any("left out" in n for n in everything.notes)
+
+
+def test_the_claims_are_checked_on_each_device_apart():
+    """Issue 51: a remat effect on one card, none on another, their runs in one database with
+    the same factors: each device's claims say what holds there."""
+    gpu = synthetic.summary({"mlp3": (0.7, 1.3), "vgg16": (0.6, 1.2)}).assign(
+        device_name="NVIDIA H200", vendor="nvidia")
+    other = synthetic.summary({"mlp3": (1.0, 1.0), "vgg16": (1.0, 1.0)}, noise=0.02).assign(
+        device_name="AMD Instinct MI300X", vendor="amd")  # the same factors, "cuda" both
+    other["config_id"] = other["config_id"] + "-mi300x"
+    report = analyze(pd.concat([gpu, other], ignore_index=True), settings=FAST)
+    first = report.claims[report.claims["claim"].str.startswith("(1)")]
+    verdicts = first.groupby("device")["verdict"].agg(set).to_dict()
+    assert verdicts == {"NVIDIA H200": {"confirmed"}, "AMD Instinct MI300X": {"not confirmed"}}
+    assert report.blocks == 24  # paired within each card, never across

@@ -12,8 +12,10 @@ from scipy import stats as sps
 
 from rematlab.core.spread import bootstrap
 
+# a block: one configuration's factors but the strategy, on one physical device (two GPUs are
+# both "cuda": their runs pair within a card, never across)
 BLOCK = ["cfg_model", "cfg_input", "cfg_batch", "cfg_dtype", "cfg_device", "cfg_optimizer",
-         "cfg_precision"]
+         "cfg_precision", "device_name"]
 
 RESPONSES = {"time": "step_s_median", "memory": "peak_bytes_median"}
 MIN_BLOCKS = 6  # below this a two-sided signed-rank test cannot reach p < 0.05

@@ -98,6 +98,8 @@ def _environment(res: StudyResults) -> dict:
     keys = ["device_name", "vendor", "cuda_version", "rocm_version", "torch_version",
             "cpu_model", "threads", "host", "rematlab_version"]
     env = {k: format_number(first.get(k), 4) for k in keys if k in runs.columns}
+    if "device_name" in runs and runs["device_name"].nunique() > 1:  # each one measured
+        env["device_name"] = ", ".join(sorted(runs["device_name"].dropna().unique()))
     env["measured from"] = str(runs["timestamp"].min()) if "timestamp" in runs else ""
     env["measured until"] = str(runs["timestamp"].max()) if "timestamp" in runs else ""
     return env
@@ -151,7 +153,7 @@ def context(res: StudyResults) -> dict:
         "r2": [{"target": t, "study": STUDY_R2[t], "ours": ours.get(t)} for t in STUDY_R2],
         "predictor_models": res.predictor_models,
         "claims": _table(res.stats.get("claims", []),
-                         ["claim", "test", "blocks", "p", "effect", "verdict"]),
+                         ["device", "claim", "test", "blocks", "p", "effect", "verdict"]),
         "guidelines": _table(percent_columns(pd.DataFrame(res.stats.get("guidelines", [])),
                                       ["memory saving", "time overhead"])),
         "effects": _table(res.stats.get("effects", []),

@@ -114,7 +114,7 @@ def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
     `untrusted`, or unless no trusted one is left: a busy machine's dataset is analysed with
     a note, not refused."""
     s = settings or Settings()
-    summary, runs = fp32_unless_said(summary), fp32_unless_said(runs)
+    summary, runs = (named_devices(fp32_unless_said(f)) for f in (summary, runs))
     notes = []
     if not untrusted:
         trusted, dropped = trusted_only(summary)
@@ -144,7 +144,7 @@ def analyze(summary: pd.DataFrame, runs: pd.DataFrame | None = None,
         mixed=_mixed(summary),
         noise=_noise(runs),
         guidelines=_guidelines(summary, ratios, s, memory_cap),
-        claims=_claims(ratios, effects, s),
+        claims=_claims_by_device(ratios, effects, s),
         notes=notes,
     )
 
@@ -209,12 +209,40 @@ def _pairwise(ratios: pd.DataFrame, s: Settings) -> pd.DataFrame:
     return out
 
 
+def named_devices(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """`frame` with a device name on every row (rows that recorded none: their vendor, or
+    "unknown device"), the last of the blocks' factors (`inference.BLOCK`)."""
+    if frame is None:
+        return None
+    named = frame.get("device_name", pd.Series(index=frame.index, dtype=object))
+    vendor = frame.get("vendor", pd.Series(index=frame.index, dtype=object))
+    return frame.assign(device_name=named.fillna(vendor).fillna("unknown device"))
+
+
+def device_of(ratios: pd.DataFrame) -> pd.Series:
+    """The device each row was measured on, as the report names it: the name torch gives it
+    (`device_name`), else its vendor."""
+    return ratios["device_name"].fillna(ratios["vendor"]).fillna("unknown device")
+
+
+def _claims_by_device(ratios: pd.DataFrame, effects: pd.DataFrame, s: Settings
+                      ) -> pd.DataFrame:
+    """The study's claims on each device apart (`device` names it): a conclusion that holds on
+    a CPU need not hold on a GPU, nor on one vendor's GPU and another's (issue 51)."""
+    if ratios.empty:
+        return _claims(ratios, effects, s).assign(device="")
+    devices = device_of(ratios)
+    if devices.nunique() == 1:
+        return _claims(ratios, effects, s).assign(device=devices.iloc[0])
+    return pd.concat([_claims(g, _effects(g, s), s).assign(device=name)
+                      for name, g in ratios.groupby(devices)], ignore_index=True)
+
+
 def _kruskal(ratios: pd.DataFrame) -> pd.DataFrame:
-    """Devices are independent groups: Kruskal–Wallis on the log ratios per vendor/device."""
+    """Devices are independent groups: Kruskal–Wallis on the log ratios per device."""
     if ratios.empty:
         return pd.DataFrame()
-    key = ratios["vendor"].fillna("") + ":" + ratios["device_name"].fillna("")
-    groups = [g for _, g in ratios.groupby(key)]
+    groups = [g for _, g in ratios.groupby(device_of(ratios))]
     if len(groups) < 2:
         return pd.DataFrame([{"groups": len(groups), "response": n, "statistic": math.nan,
                               "p": math.nan, "note": "one device only"} for n in RESPONSES])
