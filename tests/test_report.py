@@ -88,10 +88,11 @@ def test_report_has_every_section_and_embeds_every_figure(tmp_path):
     assert "samples_s_remat" in text and "vgg16" in md.read_text()
     evaluation = [line for line in md.read_text().splitlines() if "| random 80/20 |" in line]
     assert evaluation and all("| 1.0 % | 2.0 % |" in line for line in evaluation)  # percent
-    claim_lines = {line.split("|")[1].strip(): line for line in md.read_text().splitlines()
-                   if line.startswith("| (")}
+    claim_lines = {(cells[1], cells[2]): cells for line in md.read_text().splitlines()
+                   if (cells := [c.strip() for c in line.split("|")])[2:3]
+                   and cells[2].startswith("(")}  # | device | claim | ... |
     for claim in res.stats["claims"]:  # each claim's own verdict, in its own row
-        cells = [c.strip() for c in claim_lines[claim["claim"]].split("|")]
+        cells = claim_lines[(claim["device"], claim["claim"])]
         assert claim["verdict"] in cells, (claim, cells)
     assert "All measurements ran on CPU" in text
     mdtext = md.read_text()
