@@ -331,10 +331,14 @@ def test_resume_retries_error_configurations_not_oom_ones_and_marks_stale_sweeps
 ])
 def test_isolated_runs_classify_a_sigkill_as_oom_and_a_hang_as_a_timeout(model, outcome, needle):
     from rematlab.measurement.spec import Spec
-    from rematlab.study.sweep import run_isolated
+    from rematlab.study.sweep import Worker
 
     spec = Spec(model=model, batch=4, input_shape=(4,), repeats=1)
-    out = run_isolated(spec, timeout=3 if "slow" in model else 120)
+    worker = Worker()  # a worker of its own, stopped afterwards
+    try:
+        out = worker.run(spec, timeout=3 if "slow" in model else 120)
+    finally:
+        worker.close()
     (row, *_) = out["rows"]
     assert row["outcome"] == outcome, row["error"]
     if needle:

@@ -43,6 +43,12 @@ def user_code(failed: str, passes: Callable[[BaseException], bool] = lambda _: F
         raise ConfigError(f"{failed}: {type(exc).__name__}: {detail}") from None
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
 def load_object(path: str, what: str) -> Any:
     """`module.path:name` -> the object, importing from the current directory too (as
     `python -m` does); any failure to import is a `ConfigError` naming `what` it was for."""

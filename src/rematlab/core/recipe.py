@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, tensors
-from rematlab.core.checks import user_code
+from rematlab.core.checks import one_line, user_code
 from rematlab.core.clocks import Clock
 from rematlab.core.layout import DDP, FSDP, check_layout
 from rematlab.core.optimizers import OPTIMIZERS, make_optimizer
@@ -358,8 +358,8 @@ def _check_optimizer(opt: Any, kwargs: Any) -> None:
     try:
         opt([torch.zeros(1, requires_grad=True)], **kwargs)
     except Exception as exc:  # the user's class and keywords: bad input
-        raise ConfigError(f"{opt.__name__}(**{dict(kwargs)}) fails: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
+        raise ConfigError(f"{opt.__name__}(**{dict(kwargs)}) fails: {one_line(exc)}"[:300]
+                          ) from None
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer) -> tuple[type, dict]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rematlab.core.batch import Batch, call, first_float
-from rematlab.core.checks import user_code
+from rematlab.core.checks import one_line, user_code
 from rematlab.exceptions import ConfigError, OutOfMemory, SimulatedOOM
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # loss_fn(output, batch), as the user gives it
@@ -129,12 +129,6 @@ def is_oom(exc: BaseException) -> bool:
     return "out of memory" in text.lower() or "can't allocate memory" in text
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:300]
-
-
 @contextlib.contextmanager
 def out_of_memory(what: str) -> Iterator[None]:
     """Running out of memory inside as `OutOfMemory` (a rematlab error: one line from the
@@ -159,9 +153,7 @@ def runs_on(model: nn.Module, run: Callable, batch: Batch, name: str) -> None:
     except Exception as exc:
         if is_oom(exc):
             raise
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"{name} fails on the batch: {type(exc).__name__}: "
-                          f"{message}"[:300]) from exc
+        raise ConfigError(f"{name} fails on the batch: {one_line(exc)}"[:300]) from exc
 
 
 def unit_loss(out: torch.Tensor) -> torch.Tensor:

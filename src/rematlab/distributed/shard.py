@@ -79,11 +79,7 @@ def shard(model: nn.Module, units: list[nn.Module], layout: FSDP | DDP, mesh: De
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES.get(layout.param_dtype or ""),
         reduce_dtype=DTYPES.get(layout.reduce_dtype or ""))
-    try:
-        for unit in [*units, model]:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
-                        mp_policy=policy)
-    except ValueError as exc:  # units that split a tied parameter, ...: the user's layout
-        raise ConfigError(f"fully_shard refuses these FSDP units: "
-                          f"{str(exc).splitlines()[0]}"[:300]) from exc
+    for unit in [*units, model]:  # the units, then the root
+        fully_shard(unit, mesh=mesh, reshard_after_forward=layout.reshard_after_forward,
+                    mp_policy=policy)
     return model

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import check_batch, tensors, to_device
+from rematlab.core.checks import one_line
 from rematlab.core.precision import as_trained
 from rematlab.core.recipe import Step, as_step
-from rematlab.core.steps import LossFn, is_oom, one_line, out_of_memory, runs_on
+from rematlab.core.steps import LossFn, is_oom, out_of_memory, runs_on
 from rematlab.core.units import infeasible
 from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.distributed.group import world_size

@@ -11,13 +11,13 @@ whose pointwise ops save tensors the size of their input (issue 50).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from rematlab.core.clocks import clock_for
 from rematlab.core.steps import preserved
 
 
@@ -42,21 +42,18 @@ def short_module(name: str) -> str:
 def submodule_seconds(module: nn.Module, names: tuple[str, ...],
                       run: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
                       repeats: int) -> float:
-    """Median seconds the submodules `names` of `module` take in one forward of it (hooks
-    around each, the device synchronised): what a module-level option runs again in
+    """Median seconds the submodules `names` of `module` take in one forward of it (the
+    device's clock around each, `core.clocks`): what a module-level option runs again in
     backward."""
-    sync = torch.cuda.synchronize if x_in.device.type == "cuda" else (lambda: None)
+    clock = clock_for(x_in.device)
     subs = [module.get_submodule(n) for n in names]
     runs: list[float] = []
-    started = [0.0]
 
     def start(*_: Any) -> None:
-        sync()
-        started[0] = time.perf_counter()
+        clock.start()
 
     def stop(*_: Any) -> None:
-        sync()
-        runs[-1] += time.perf_counter() - started[0]
+        runs[-1] += clock.stop()
 
     handles = [h for m in subs for h in (m.register_forward_pre_hook(start),
                                          m.register_forward_hook(stop))]

@@ -219,19 +219,13 @@ def named_devices(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     return frame.assign(device_name=named.fillna(vendor).fillna("unknown device"))
 
 
-def device_of(ratios: pd.DataFrame) -> pd.Series:
-    """The device each row was measured on, as the report names it: the name torch gives it
-    (`device_name`), else its vendor."""
-    return ratios["device_name"].fillna(ratios["vendor"]).fillna("unknown device")
-
-
 def _claims_by_device(ratios: pd.DataFrame, effects: pd.DataFrame, s: Settings
                       ) -> pd.DataFrame:
     """The study's claims on each device apart (`device` names it): a conclusion that holds on
     a CPU need not hold on a GPU, nor on one vendor's GPU and another's (issue 51)."""
     if ratios.empty:
         return _claims(ratios, effects, s).assign(device="")
-    devices = device_of(ratios)
+    devices = ratios["device_name"]  # named on every row (`named_devices`)
     if devices.nunique() == 1:
         return _claims(ratios, effects, s).assign(device=devices.iloc[0])
     return pd.concat([_claims(g, _effects(g, s), s).assign(device=name)
@@ -242,7 +236,7 @@ def _kruskal(ratios: pd.DataFrame) -> pd.DataFrame:
     """Devices are independent groups: Kruskal–Wallis on the log ratios per device."""
     if ratios.empty:
         return pd.DataFrame()
-    groups = [g for _, g in ratios.groupby(device_of(ratios))]
+    groups = [g for _, g in ratios.groupby("device_name")]
     if len(groups) < 2:
         return pd.DataFrame([{"groups": len(groups), "response": n, "statistic": math.nan,
                               "p": math.nan, "note": "one device only"} for n in RESPONSES])

@@ -217,16 +217,6 @@ class Worker:
         return proc.exitcode
 
 
-def run_isolated(spec: Spec, timeout: float, reference: float | None = None,
-                 settle_s: float = 0.0, max_wait_s: float = MAX_WAIT_S) -> dict:
-    """`run_config` in a fresh worker of its own, stopped afterwards."""
-    worker = Worker()
-    try:
-        return worker.run(spec, timeout, reference, settle_s, max_wait_s)
-    finally:
-        worker.close()
-
-
 def resume_hint(grid_path: str, db: Path, backend: str) -> str:
     extra = f" --backend {backend}" if backend != "local" else ""
     return f"rematlab sweep {grid_path} --db {db}{extra}"
