@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -31,20 +30,19 @@ from torch.utils.checkpoint import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rematlab.core.dispatch import OpCall, OpRecorder
 from rematlab.plans.plan import Selective
 from rematlab.remat.ops import run_option
 from rematlab.remat.recompute import RecomputeStats
 from tests.realzoo import gpt2
 
 
-class _Count(TorchDispatchMode):
+class _Count:
     def __init__(self) -> None:
-        super().__init__()
         self.ops = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += func.namespace != "prim"
-        return func(*args, **(kwargs or {}))
+    def on_op(self, call: OpCall) -> None:
+        self.ops += call.func.namespace != "prim"
 
 
 def main() -> None:
@@ -56,7 +54,7 @@ def main() -> None:
     layer = model.transformer.h[0]
     x = torch.randn(1, 8, 32, requires_grad=True)
     count = _Count()
-    with count:
+    with OpRecorder(count):
         layer(x)
     addmm = torch.ops.aten.addmm.default
     saves = tuple(("aten.addmm.default", k) for k in range(4))

@@ -90,20 +90,18 @@ def layer_facts(model: torch.nn.Module, batch: object, step: Step, device_type: 
     dispatches, in order (views left out), and the bytes autograd saves for backward, in
     one forward of `step`'s autocast region on `device_type`. What a GPU records, and what
     pre-flight predicts when run inside a fake CUDA session (`predicted_layer_facts`)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from rematlab.core.batch import call
+    from rematlab.core.dispatch import OpCall, OpRecorder
     from rematlab.remat.structure import structure
 
     blocks = structure(model, batch).blocks
     facts = [{"ops": [], "saved": 0} for _ in blocks]
     current: list[int] = []
 
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if current and not func.is_view and func.namespace == "aten":
-                facts[current[-1]]["ops"].append(func._overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    class Ops:
+        def on_op(self, op: OpCall) -> None:
+            if current and not op.func.is_view and op.func.namespace == "aten":
+                facts[current[-1]]["ops"].append(op.name)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if current:
@@ -123,7 +121,7 @@ def layer_facts(model: torch.nn.Module, batch: object, step: Step, device_type: 
         handles.append(block.register_forward_pre_hook(enter(i)))
         handles.append(block.register_forward_hook(leave))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Ops(), \
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), OpRecorder(Ops()), \
                 step.autocast_region(torch.device(device_type)):
             call(model, batch)
     finally:

@@ -4,6 +4,7 @@ here, and none is needed to check what is timed and how rates are made of it."""
 import pytest
 import torch
 
+from rematlab.core.dispatch import OpCall, OpRecorder
 from rematlab.preflight.gpu_calibrate import GEMMS, measure_gpu
 from rematlab.preflight.targets import Target
 
@@ -26,12 +27,11 @@ class FakeClock:
     def seconds(self, fn) -> float:
         ops: list = []
 
-        class Watch(torch.utils._python_dispatch.TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                ops.append((func, [tuple(a.shape) for a in args
-                                   if isinstance(a, torch.Tensor)]))
-                return func(*args, **(kwargs or {}))
-        with Watch():
+        class Watch:
+            def on_op(self, call: OpCall) -> None:
+                ops.append((call.func, [tuple(a.shape) for a in call.args
+                                        if isinstance(a, torch.Tensor)]))
+        with OpRecorder(Watch()):
             fn()
         total = 0.0
         for func, shapes in ops:

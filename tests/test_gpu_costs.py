@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from rematlab.core.dispatch import OpRecorder
 from rematlab.core.probes import LiveTensorTracker
 from rematlab.core.recipe import Step
 from rematlab.planning.predicted import predicted_costs
@@ -42,7 +43,7 @@ def _backward_peak(op, heads: int, kv_heads: int, dtype: torch.dtype) -> tuple[i
         tracker = LiveTensorTracker(unit=512)
         tracker.track([q, k, v, grad, out, lse])
         before = tracker.live
-        with kernels.KernelScratch(tracker), tracker:
+        with OpRecorder(kernels.KernelScratch(), tracker):
             grads = getattr(torch.ops.aten, op)(*args)
         made = sum(g.untyped_storage().nbytes() for g in grads[:3])
     return tracker.peak - before, made

@@ -2,10 +2,11 @@
 `rematlab.core.clocks`).
 
 CPU memory. There is no `max_memory_allocated` on CPU, and RSS counts allocator caches and
-the interpreter. `LiveTensorTracker` counts tensor memory directly: a dispatch mode sees every
-tensor an op creates, registers its storage once (views and in-place results share it) and
-subtracts the bytes when the storage is freed (a weak reference on the storage object, which
-torch keeps alive exactly as long as the storage). Tensors that existed before tracking
+the interpreter. `LiveTensorTracker` counts tensor memory directly: the op recorder
+(`rematlab.core.dispatch`) shows it every tensor an op creates; it registers the tensor's
+storage once (views and in-place results share it) and subtracts the bytes when the storage
+is freed (a weak reference on the storage object, which torch keeps alive exactly as long as
+the storage). Tensors that existed before tracking
 (parameters, optimizer state, the batch) are registered explicitly with `track`. It sees ops
 that autograd runs in backward and in recomputation; it cannot see inside compiled kernels.
 
@@ -35,9 +36,8 @@ from typing import Protocol
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from rematlab.core.dispatch import OpCall, Recorded
 from rematlab.exceptions import SimulatedOOM
 
 
@@ -56,8 +56,9 @@ class AllocationListener(Protocol):
     def free(self, key: Hashable) -> None: ...
 
 
-class LiveTensorTracker(TorchDispatchMode):
-    """Counts live tensor bytes (storage-deduplicated) and their peak while active.
+class LiveTensorTracker(Recorded):
+    """Counts live tensor bytes (storage-deduplicated) and their peak while active: an
+    `OpRecorder` listener (`with tracker:` records with it alone).
 
     `cap`: raise `SimulatedOOM` as soon as live bytes exceed it (a smaller device emulated).
     `unit`: count every storage rounded up to this block size (512 on CUDA, whose caching
@@ -68,7 +69,6 @@ class LiveTensorTracker(TorchDispatchMode):
     method = "dispatch_live_storages"
 
     def __init__(self, cap: int | None = None, unit: int = 1) -> None:
-        super().__init__()
         self.cap = cap
         self.unit = unit  # allocation granularity: 512 B models the CUDA caching allocator
         self.live = 0
@@ -109,21 +109,28 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.listener is not None:
             self.listener.free(key)
 
-    def _bump(self) -> None:
-        if self.live > self.peak:
-            self.peak = self.live
-            if self.cap is not None and self.live > self.cap:
-                raise SimulatedOOM(f"live tensor bytes {self.live} exceed the cap {self.cap}")
+    def _bump(self, level: int | None = None) -> None:
+        """A new peak if `level` (default: what is live now) is above the last."""
+        level = self.live if level is None else level
+        if level > self.peak:
+            self.peak = level
+            if self.cap is not None and level > self.cap:
+                raise SimulatedOOM(f"live tensor bytes {level} exceed the cap {self.cap}")
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._register(t)
-        return out
+    def on_op(self, call: OpCall) -> None:
+        """The op's scratch charged above what was live before it, then its outputs."""
+        if call.transient:
+            self._bump(self.live + call.transient)
+        for t in call.outs:
+            self._register(t)
+        if self.listener is not None and call.scratch:  # the kernel's order (`OpCall`)
+            for i, nbytes in enumerate(call.scratch):
+                self.listener.alloc((id(call), i), nbytes)
+            for i in range(len(call.scratch)):
+                self.listener.free((id(call), i))
 
 
-class CastRecorder(TorchDispatchMode):
+class CastRecorder(Recorded):
     """The bytes of the `dtype` copies autocast makes of `params` while active: the copies
     its weight cache keeps until the autocast region ends (it caches casts of trainable fp32
     leaves only, `autocast_mode.cpp`'s `cached_cast`), each parameter once. Autocast reads
@@ -131,7 +138,6 @@ class CastRecorder(TorchDispatchMode):
 
     def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype, unit: int = 1
                  ) -> None:
-        super().__init__()
         self.unit, self.dtype = unit, dtype
         self._params = {id(p): p for p in params
                         if p.requires_grad and p.dtype == torch.float32}
@@ -141,13 +147,13 @@ class CastRecorder(TorchDispatchMode):
     def nbytes(self) -> int:
         return sum(self.casts.values())
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and args and id(args[0]) in self._params \
+    def on_op(self, call: OpCall) -> None:
+        out, args = call.out, call.args
+        if call.func is torch.ops.aten._to_copy.default and args \
+                and id(args[0]) in self._params \
                 and isinstance(out, torch.Tensor) and out.dtype == self.dtype:
             self.casts.setdefault(id(args[0]),
                                   rounded(out.untyped_storage().nbytes(), self.unit))
-        return out
 
 
 @dataclass(frozen=True)

@@ -72,10 +72,10 @@ class RankTracker(LiveTensorTracker):
             self.by_kind[kind] -= self._sizes.get(key, 0)
         super()._free(key)
 
-    def _bump(self) -> None:
-        if self.live > self.peak:
+    def _bump(self, level: int | None = None) -> None:
+        if (self.live if level is None else level) > self.peak:
             self.at_peak = self._split()
-        super()._bump()
+        super()._bump(level)
 
     def _split(self) -> dict[str, int]:
         """What each registered kind and the gathered parameters hold now, and the rest."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from rematlab.core.batch import Batch, one_tensor, tensors
+from rematlab.core.dispatch import OpRecorder
 from rematlab.core.probes import LiveTensorTracker
 from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError
@@ -68,7 +69,7 @@ def card_memory(model: nn.Module, st: Structure, batch: Batch, step: Step, chose
         for handle in range(BLAS_HANDLES):
             allocator.alloc(("blas", handle), target.workspace)
         optimizer = step.make_optimizer(planned.parameters(), cuda=True)
-        with KernelScratch(tracker), tracker:
+        with OpRecorder(KernelScratch(), tracker):
             step.train_step(planned, fake, optimizer=optimizer, readable=False)
             allocator.peak_allocated = allocator.allocated
             step.train_step(planned, fake, optimizer=optimizer, readable=False)

@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from rematlab.core.dispatch import OpCall, OpRecorder
 from rematlab.core.timer import watched
 from rematlab.preflight.gpu_calibrate import EventTiming, measure_gpu
 from rematlab.preflight.roofline import LoggedOp, logged
@@ -74,23 +74,19 @@ def _suite(scale: int) -> list[tuple[nn.Module, torch.Tensor]]:
     return pieces
 
 
-class _OpTimer(TorchDispatchMode):
-    """Seconds inside every op, beside the op's log (the CPU runs an op as it is called)."""
+class _OpTimes:
+    """Seconds inside every op, beside the op's log (the CPU runs an op as it is called): an
+    `OpRecorder` listener, the recorder timing on the host."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.ops: list[LoggedOp] = []
         self.seconds: list[float] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        t0 = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        took = time.perf_counter() - t0
-        op = logged(func, args, kwargs or {}, out)
+    def on_op(self, call: OpCall) -> None:
+        op = logged(call)
         if op is not None:
             self.ops.append(op)
-            self.seconds.append(took)
-        return out
+            self.seconds.append(call.seconds)
 
 
 def _step(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
@@ -112,8 +108,8 @@ def measure(kind: str = "cpu") -> dict:
             for module, x in _suite(scale):
                 _step(module, x)  # warm-up
                 for _ in range(ROUNDS):
-                    timer = _OpTimer()
-                    with timer:
+                    timer = _OpTimes()
+                    with OpRecorder(timer, timing="host"):
                         _step(module, x)
                     t0 = time.perf_counter()
                     _step(module, x)

@@ -28,9 +28,8 @@ what is live before it, as `rematlab.preflight.workspace.Scratch` charges a meas
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from rematlab.core.probes import LiveTensorTracker
+from rematlab.core.dispatch import OpCall
 from rematlab.preflight.allocator import block
 
 FP32 = 4
@@ -81,32 +80,17 @@ def efficient_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
     return scratch
 
 
-class KernelScratch(TorchDispatchMode):
-    """Charges the attention backward kernels' scratch (module docstring) to `tracker`,
-    above what is live before the op. Enter it *before* the tracker, as `Scratch`."""
+class KernelScratch:
+    """An `OpRecorder` listener that charges the attention backward kernels' scratch (module
+    docstring) to the call, for the live-storage meter listed after it."""
 
-    def __init__(self, tracker: LiveTensorTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
-        if name in (FLASH_BACKWARD, EFFICIENT_BACKWARD):
-            grad_out, query, key = args[:3]
-            scratch = (flash_backward if name == FLASH_BACKWARD else efficient_backward)(
-                grad_out, query, key)
-            storages = {id(t.untyped_storage()): t.untyped_storage()
-                        for t in out if isinstance(t, torch.Tensor)}  # allocated first
-            grads = sum(block(s.nbytes()) for s in storages.values())
-            self.tracker.peak = max(self.tracker.peak, self.tracker.live + grads + sum(scratch))
-            listener = self.tracker.listener
-            if listener is not None:  # the kernel's order: gradients, scratch, scratch freed
-                for key, storage in storages.items():
-                    listener.alloc(key, storage.nbytes())
-                for i, nbytes in enumerate(scratch):
-                    listener.alloc((self, i), nbytes)
-                for i in range(len(scratch)):
-                    listener.free((self, i))
-        return out
+    def on_op(self, call: OpCall) -> None:
+        if call.name not in (FLASH_BACKWARD, EFFICIENT_BACKWARD):
+            return
+        grad_out, query, key = call.args[:3]
+        scratch = (flash_backward if call.name == FLASH_BACKWARD else efficient_backward)(
+            grad_out, query, key)
+        storages = {id(t.untyped_storage()): t.untyped_storage() for t in call.outs}
+        grads = sum(block(s.nbytes()) for s in storages.values())  # allocated first
+        call.transient = max(call.transient, grads + sum(scratch))
+        call.scratch = scratch

@@ -1,7 +1,7 @@
 """Step time without running: every aten op a block runs (forward, backward, recompute) is
-logged under a dispatch mode with its FLOPs and the bytes it reads and writes; a target prices
-the log as a roofline, `max(FLOPs / compute rate, bytes / bandwidth) + per-op overhead`
-(`rematlab.preflight.targets.interval`).
+logged by the op recorder (`rematlab.core.dispatch`) with its FLOPs and the bytes it reads
+and writes; a target prices the log as a roofline, `max(FLOPs / compute rate, bytes /
+bandwidth) + per-op overhead` (`rematlab.preflight.targets.interval`).
 
 Fake tensors (`rematlab.preflight.fake`) run the same dispatch as real ones, so the log holds
 the ops a real step runs — the kernels chosen for this device's attention, the backward
@@ -17,10 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from rematlab.core.flops import formula as flop_formula
+from rematlab.core.dispatch import OpCall, Recorded
 
 CONV = frozenset(("convolution", "convolution_backward", "_convolution"))
 FREE = frozenset(("detach", "alias", "lift_fresh", "empty", "empty_strided", "empty_like",
@@ -42,31 +40,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def logged(func, args: tuple, kwargs: dict, out: object) -> LoggedOp | None:
+def logged(call: OpCall) -> LoggedOp | None:
     """How the roofline sees one dispatched op; None for views and ops that move nothing."""
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    name = func._overloadpacket.__name__
-    if not outs or func.is_view or name in FREE:
+    if not call.outs or call.func.is_view or call.name in FREE:
         return None
-    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    formula = flop_formula(func._overloadpacket)
-    flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
-    kind = "vector" if not flops else ("conv" if name in CONV else "matmul")
-    dtype = str(outs[0].dtype).removeprefix("torch.")
-    return LoggedOp(name, kind, dtype, flops, sum(map(_nbytes, ins + outs)))
+    kind = "vector" if not call.flops else ("conv" if call.name in CONV else "matmul")
+    dtype = str(call.outs[0].dtype).removeprefix("torch.")
+    return LoggedOp(call.name, kind, dtype, call.flops,
+                    sum(map(_nbytes, call.ins + call.outs)))
 
 
-class OpLog(TorchDispatchMode):
-    """Logs every op dispatched while active (see module docstring)."""
+class OpLog(Recorded):
+    """Logs every op dispatched while active (see module docstring): an `OpRecorder`
+    listener."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.ops: list[LoggedOp] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        op = logged(func, args, kwargs, out)
+    def on_op(self, call: OpCall) -> None:
+        op = logged(call)
         if op is not None:
             self.ops.append(op)
-        return out

@@ -20,10 +20,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from rematlab.core.probes import LiveTensorTracker, allocator_trace
+from rematlab.core.dispatch import OpCall
+from rematlab.core.probes import allocator_trace
 
 OPS = frozenset(("convolution", "convolution_backward", "mm", "addmm", "bmm", "baddbmm"))
 
@@ -63,24 +64,16 @@ def _measured(device: str, name: str, spec: tuple) -> int:
     return trace.phases["op"].transient
 
 
-class Scratch(TorchDispatchMode):
-    """Charges each convolution's and matrix product's measured allocator peak (see module
-    docstring) to `tracker`, above what is live before the op. Enter it *before* the
-    tracker, so that the tracker has not yet counted the op's outputs when this mode
-    returns."""
+class Scratch:
+    """An `OpRecorder` listener that charges each convolution's and matrix product's
+    measured allocator peak (see module docstring) to the call, for the live-storage meter
+    listed after it. `device`: where to measure ("cpu")."""
 
-    def __init__(self, tracker: LiveTensorTracker, device: str) -> None:
-        super().__init__()
-        self.tracker = tracker
+    def __init__(self, device: str) -> None:
         self.device = device
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
-        if name in OPS and not kwargs:
+    def on_op(self, call: OpCall) -> None:
+        if call.name in OPS and not call.kwargs:
             with _disable_current_modes():
-                need = _measured(self.device, name, _spec(tuple(args)))
-            self.tracker.peak = max(self.tracker.peak, self.tracker.live + need)
-        return out
-
+                need = _measured(self.device, call.name, _spec(tuple(call.args)))
+            call.transient = max(call.transient, need)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rematlab.core import flops as flop_count
+from rematlab.core.dispatch import OpListener, OpRecorder
 from rematlab.core.probes import (
     CastRecorder,
     LiveTensorTracker,
@@ -119,18 +120,25 @@ class _BlockRun:
         self.bwd_ran = False
 
     def _around(self, phase: str, i: int) -> contextlib.ExitStack:
-        """The instruments of the forward (`i` 0) or the backward (1)."""
+        """The instruments of the forward (`i` 0) or the backward (1): the allocator's
+        phase, and one op recorder whose listeners charge kernels' scratch before the
+        tracker counts the op's outputs."""
         stack = contextlib.ExitStack()
         if self.allocator is not None:
             stack.enter_context(self.allocator.phase(phase))
+        listeners: list[OpListener] = []
         if self._scratch_kind is not None:  # kernels' scratch, asked of the device
-            stack.enter_context(Scratch(self.tracker, self._scratch_kind))
+            listeners.append(Scratch(self._scratch_kind))
         if self._cuda:  # attention kernels' scratch, from their sources
-            stack.enter_context(KernelScratch(self.tracker))
+            listeners.append(KernelScratch())
         if not self.compile:
-            stack.enter_context(self.tracker)
+            listeners.append(self.tracker)
         if self.logs is not None:
-            stack.enter_context(self.logs[i])
+            listeners.append(self.logs[i])
+        if i == 0 and self.casts is not None:
+            listeners.append(self.casts)
+        if listeners:
+            stack.enter_context(OpRecorder(*listeners))
         return stack
 
     def _pack_marked(self, t: torch.Tensor) -> torch.Tensor:
@@ -143,8 +151,7 @@ class _BlockRun:
             before = tracker.live
             with self._around("forward", 0), \
                     self.flops if not self.compile else contextlib.nullcontext(), \
-                    torch.autograd.graph.saved_tensors_hooks(self._pack_marked, lambda t: t), \
-                    self.casts or contextlib.nullcontext():
+                    torch.autograd.graph.saved_tensors_hooks(self._pack_marked, lambda t: t):
                 out = self.run(self.x_in)
             self.fwd_mem = tracker.peak - before
             # a recomputation stops once the last saved tensor is made again (torch's early

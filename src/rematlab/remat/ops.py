@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -33,11 +32,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.core.flops import formula as flop_formula
+from rematlab.core.dispatch import OpCall, OpRecorder
 from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
 from rematlab.core.steps import preserved, unit_loss
 from rematlab.core.timer import time_block
@@ -79,52 +76,27 @@ class OpCost:
     seconds: float
 
 
-class _Recorder(TorchDispatchMode):
-    """Records every aten op a forward runs: name, outputs, flags, FLOPs and seconds (with
-    a `target`, the op priced on its roofline). On CUDA each op's seconds are its kernels'
-    between two events, read once the forward ends (`finish`): synchronising around every
-    op would add the host's launch latency to each, and make the cheap pointwise ops an
-    option recomputes look as dear as a matmul."""
+class _Rows:
+    """An `OpRecorder` listener that keeps every aten op a forward runs: name, outputs,
+    flags, FLOPs and the call (its seconds; with a `target`, the op priced on its roofline
+    instead). On CUDA the recorder times each op's kernels between two events, read once
+    the forward ends (`OpRecorder.finish`)."""
 
-    def __init__(self, device: torch.device, target: Target | None = None) -> None:
-        super().__init__()
-        self.cuda = device.type == "cuda" and target is None
+    def __init__(self, target: Target | None = None) -> None:
         self.target = target
         self.rows: list[tuple] = []
-        self._events: list[tuple[Any, Any]] = []
+        self.calls: list[OpCall] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def on_op(self, call: OpCall) -> None:
+        func = call.func
         if metadata(func):
-            return func(*args, **kwargs)
-        if self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            out = func(*args, **kwargs)
-            end.record()
-            self._events.append((start, end))
-            seconds = 0.0
-        else:
-            t0 = time.perf_counter()
-            out = func(*args, **kwargs)
-            seconds = time.perf_counter() - t0
-        if self.target is not None:
-            op = logged(func, args, kwargs, out)
-            seconds = interval([op], self.target)[1] if op is not None else 0.0
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        formula = flop_formula(func._overloadpacket)
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
-        self.rows.append((str(func), outs, func.is_view, func._schema.is_mutable,
-                          torch.Tag.nondeterministic_seeded in func.tags, flops, seconds))
-        return out
-
-    def finish(self) -> None:
-        """On CUDA, each row's seconds from its events (the device synchronised once)."""
-        if not self._events:
             return
-        torch.cuda.synchronize()
-        self.rows = [(*row[:-1], start.elapsed_time(end) / 1e3)
-                     for row, (start, end) in zip(self.rows, self._events, strict=True)]
+        if self.target is not None:
+            op = logged(call)
+            call.seconds = interval([op], self.target)[1] if op is not None else 0.0
+        self.calls.append(call)
+        self.rows.append((str(func), call.outs, func.is_view, func._schema.is_mutable,
+                          torch.Tag.nondeterministic_seeded in func.tags, call.flops))
 
 
 def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
@@ -147,7 +119,9 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     timings: list[list[float]] = []
     rows: list[tuple] = []
     for r in range(max(1, repeats)):
-        recorder = _Recorder(x_in.device, target)
+        rows_of = _Rows(target)
+        recorder = OpRecorder(rows_of, timing=None if target is not None else
+                              "events" if x_in.device.type == "cuda" else "host")
         # saved storages are read in the first run only: storage keys are addresses, which a
         # later run may reuse for tensors the first run did not save
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if r == 0
@@ -159,12 +133,12 @@ def profile_ops(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
             del out
         if r == 0:
             rows = [(*row[:1], [(storage_key(t), rounded(t.untyped_storage().nbytes(), 1))
-                                for t in row[1]], *row[2:]) for row in recorder.rows]
-        timings.append([row[-1] for row in recorder.rows])
+                                for t in row[1]], *row[2:]) for row in rows_of.rows]
+        timings.append([call.seconds for call in rows_of.calls])
     written = written_in_place([row[3] for row in rows], [[k for k, _ in row[1]] for row in rows])
     counts: Counter[str] = Counter()
     ops = []
-    for i, (name, outs, view, _, random, flops, _) in enumerate(rows):
+    for i, (name, outs, view, _, random, flops) in enumerate(rows):
         ops.append(OpCost(
             name=name, index=counts[name],
             out_bytes=sum(b for key, b in outs if key not in mine),
@@ -301,16 +275,19 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     backward peaks under the live-tensor tracker, and median times by the one timer (with a
     `target`, the roofline's for the ops the forward and the backward ran)."""
     logs = (OpLog(), OpLog()) if target is not None else None
-    priced = (lambda i: logs[i]) if logs else (lambda _: contextlib.nullcontext())
 
     def selective(x: torch.Tensor) -> torch.Tensor:
         return run_option(item, module, run, RecomputeStats(), "profiling", x)
 
     tracker = LiveTensorTracker(unit=unit)
     tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
+
+    def watched(i: int) -> OpRecorder:
+        return OpRecorder(tracker, *([logs[i]] if logs else []))
+
     with preserved(module):
         before = tracker.live
-        with tracker, priced(0):
+        with watched(0):
             out = selective(x_in)
         fwd_mem = tracker.peak - before
         out_bytes = rounded(out.untyped_storage().nbytes(), unit)
@@ -322,7 +299,7 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
         keeps_output = alive() is not None
         tracker.reset_peak()
         before_bwd = tracker.live
-        with tracker, priced(1):
+        with watched(1):
             loss.backward()
         bwd_mem = tracker.peak - before_bwd - out_bytes
     if logs is not None:  # an op-level option's forward and replay pay the dispatch mode

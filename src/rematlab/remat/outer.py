@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, batch_bytes, first_float, tensors
+from rematlab.core.dispatch import OpRecorder
 from rematlab.core.probes import LiveTensorTracker, rounded
 from rematlab.core.recipe import Step
 from rematlab.core.steps import preserved
@@ -134,12 +135,12 @@ class _Ends:
 
 
 def _tracked_step(plain: nn.Module, batch: Batch, step: Step, probe: _Probe,
-                  log: contextlib.AbstractContextManager) -> _Ends:
+                  log: OpLog | None) -> _Ends:
     """One micro-batch of `step` through `plain` (every layer kept) under `log`, marking the
     events outside the layers' hooks."""
     tracker = probe.tracker
     probe.mark(_Event.START)
-    with tracker, log:
+    with OpRecorder(tracker, *([log] if log is not None else [])):
         out, loss = step.forward(plain, batch)  # in the step's autocast region
         probe.mark(_Event.FORWARD_END)
         alive = probe.y_ref is not None and probe.y_ref() is not None
@@ -192,7 +193,7 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: S
     step's end). With a `target`, the step's time is the roofline's of the ops it ran."""
     tracker = LiveTensorTracker(unit=target.unit if target is not None else 1)
     probe = _Probe(model, tracker)
-    log = OpLog() if target is not None else contextlib.nullcontext()
+    log = OpLog() if target is not None else None
     params = list(model.parameters())
     plain = attach(model, LayerRemat(layers, none_plan(len(layers) + 2)))  # as planned runs
     with preserved(model):
