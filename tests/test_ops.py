@@ -151,23 +151,26 @@ def test_options_are_priced_at_what_a_step_under_them_measures_never_less(
     run side by side; each option's time beyond its plain layer is scaled by the measured
     extra over the profiled one (2.5x here), and never scaled down."""
     from rematlab.remat import layer_costs
+    from rematlab.remat.block import BlockCost
 
     model, batch = realzoo.gpt2(layers=2)
     model.train()
     planning = rematlab.prepare(model, batch, ops=True)
     layers = planning.structure.blocks
-    rows = [{"fwd_time": planning.costs.fwd_time[i], "bwd_time": planning.costs.bwd_time[i],
-             "options": planning.costs.menu(i)} for i in (1, 2)]
-    profiled = sum(r["options"][0].fwd_time + r["options"][0].bwd_time - r["fwd_time"]
-                   - r["bwd_time"] for r in rows)
+    rows = [BlockCost(x=0, saved=0, keeps_input=False, keeps_output=False, fwd_mem=0,
+                      rec_mem=0, bwd_mem=0, grad=0, fwd_time=planning.costs.fwd_time[i],
+                      bwd_time=planning.costs.bwd_time[i], fwd_flops=0.0, cast=0, params=0,
+                      out=torch.empty(0), options=planning.costs.menu(i)) for i in (1, 2)]
+    profiled = sum(r.options[0].fwd_time + r.options[0].bwd_time - r.fwd_time - r.bwd_time
+                   for r in rows)
     timer = _StepTimes({"kept": 1.0, "options": 1.0 + measured * profiled})
     monkeypatch.setattr(layer_costs, "profile_timer", lambda _device: timer)
     got, kept = layer_costs._options_in_step(model, batch, layers, rows, Step())
     assert timer.ran == ["kept", "options"]
     assert kept == 1.0  # the all-kept step's time, the profile's step time (timed once)
     for row, new in zip(rows, got, strict=True):
-        plain = row["fwd_time"] + row["bwd_time"]
-        for o, n in zip(row["options"], new["options"], strict=True):
+        plain = row.fwd_time + row.bwd_time
+        for o, n in zip(row.options, new.options, strict=True):
             assert n.fwd_time == o.fwd_time and n.saved == o.saved
             assert n.fwd_time + n.bwd_time - plain == pytest.approx(
                 scale * (o.fwd_time + o.bwd_time - plain))

@@ -306,8 +306,8 @@ def test_a_blocks_priced_backward_is_its_own_ops_only():
     assert [op.name for op in log.ops] == ["threshold_backward"]
     row = profile_block(nn.ReLU(), torch.randn(64, 256).requires_grad_().clone(), repeats=0,
                         target=target)
-    assert row["bwd_range"][0] == pytest.approx(interval(log.ops, target)[0], rel=1e-9)
-    assert row["bwd_time"] == pytest.approx(interval(log.ops, target)[1], rel=1e-9)
+    assert row.bwd_range[0] == pytest.approx(interval(log.ops, target)[0], rel=1e-9)
+    assert row.bwd_time == pytest.approx(interval(log.ops, target)[1], rel=1e-9)
 
 
 def test_mixed_adamw_keeps_fp32_state_and_matches_adamw_on_fp32_weights():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from rematlab.core.probes import (
 )
 from rematlab.core.steps import unit_loss
 from rematlab.core.timer import time_block
+from rematlab.plans.plan import Option
 from rematlab.preflight.fake import is_fake
 from rematlab.preflight.kernels import KernelScratch
 from rematlab.preflight.roofline import OpLog
@@ -30,10 +32,44 @@ from rematlab.preflight.targets import Target, backward_interval, checkpoint_sec
 from rematlab.preflight.workspace import Scratch
 
 
+@dataclass
+class BlockCost:
+    """One block's costs on one input, as `profile_block` measures them: bytes rounded to
+    the allocator's unit, seconds. A chain's costs (`plans.plan.ChainCosts`, which the
+    solver reads) are these, block by block, as columns; the fields mean what the columns
+    of the same names mean there."""
+
+    x: int  # the input's bytes
+    saved: int  # what autograd saves for backward, beyond the input and the output
+    keeps_input: bool
+    keeps_output: bool
+    fwd_mem: int
+    rec_mem: int
+    bwd_mem: int
+    grad: int  # its parameters' gradients
+    fwd_time: float
+    bwd_time: float
+    fwd_flops: float
+    cast: int  # autocast's cached weight copies
+    params: int
+    out: torch.Tensor  # the output, detached: the next block's input
+    options: list[Option] = field(default_factory=list)  # op-level menu (`remat.ops`)
+    # predicted (a target): the times' (fastest, slowest) and checkpointing's own seconds
+    fwd_range: tuple[float, float] | None = None
+    bwd_range: tuple[float, float] | None = None
+    checkpoint_time: float | None = None
+    checkpoint_range: tuple[float, float] | None = None
+
+
+# what compiling a block changes (`profile_block(compile=True)`): the rest is the eager's
+COMPILED_FIELDS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem",
+                   "fwd_time", "bwd_time")
+
+
 def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int = 1,
                   run: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   others: list[torch.Tensor] | None = None, compile: bool = False,
-                  target: Target | None = None) -> dict:
+                  target: Target | None = None) -> BlockCost:
     """Costs of one block on `x_in`, the one block profiler (chains and layers, eager and
     compiled). `run(x)` calls the block and returns its output tensor (a layer of a real model
     takes more arguments and may return a tuple); `others` are those other tensor arguments,
@@ -56,24 +92,24 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi),
                   "checkpoint_time": c_mid, "checkpoint_range": (c_lo, c_hi)}
     kin, kout = tracked.kin, tracked.kout
-    return {
+    return BlockCost(
+        x=rounded(x_in.element_size() * x_in.numel(), unit),
+        saved=sum(v for k, v in tracked.saved.items() if k not in (kin, kout)),
+        keeps_input=kin in tracked.saved,
+        keeps_output=kout in tracked.saved,
+        fwd_mem=tracked.fwd_mem,
+        rec_mem=tracked.fwd_mem if compile else min(tracked.fwd_mem, tracked.rec_mem),
+        bwd_mem=tracked.bwd_mem,
+        grad=sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()
+                 if p.requires_grad),
+        fwd_time=fwd_time,
+        bwd_time=bwd_time,
+        fwd_flops=float(tracked.flops.get_total_flops()),
+        cast=tracked.casts.nbytes if tracked.casts else 0,
+        params=sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
+        out=tracked.nxt,
         **ranges,
-        "x": rounded(x_in.element_size() * x_in.numel(), unit),
-        "saved": sum(v for k, v in tracked.saved.items() if k not in (kin, kout)),
-        "keeps_input": kin in tracked.saved,
-        "keeps_output": kout in tracked.saved,
-        "fwd_mem": tracked.fwd_mem,
-        "rec_mem": tracked.fwd_mem if compile else min(tracked.fwd_mem, tracked.rec_mem),
-        "bwd_mem": tracked.bwd_mem,
-        "grad": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()
-                    if p.requires_grad),
-        "fwd_time": fwd_time,
-        "bwd_time": bwd_time,
-        "fwd_flops": float(tracked.flops.get_total_flops()),
-        "cast": tracked.casts.nbytes if tracked.casts else 0,
-        "params": sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
-        "out": tracked.nxt,
-    }
+    )
 
 
 def _warmed(run: Callable, block: nn.Module, x_in: torch.Tensor) -> Callable:

@@ -36,7 +36,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession, is_fake
 from rematlab.preflight.targets import Target
-from rematlab.remat.block import compiling, profile_block
+from rematlab.remat.block import COMPILED_FIELDS, BlockCost, compiling, profile_block
 from rematlab.remat.compiled_menu import block_menu
 from rematlab.remat.tracing import meta_copy
 
@@ -76,14 +76,11 @@ def profile_chain(
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
     run, batch = _runnable(blocks, example_input, device, session, meta)
     unit = target.unit if target is not None else unit
-    fields: dict[str, list] = {k: [] for k in (
-        "x", "saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem", "grad",
-        "fwd_time", "bwd_time", "fwd_flops", "options", "fwd_range", "bwd_range", "cast",
-        "checkpoint_time", "checkpoint_range")}
     params_bytes = 0
     watch = (session.active() if session is not None else contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
     repeated = Repeats()
+    rows: list[BlockCost] = []
     with watch:
         x = first = chain_input(nn.Sequential(*run), batch, step,
                                 "the model (pre-flight)" if session is not None else None)
@@ -99,27 +96,23 @@ def profile_chain(
                 r = _chain_block(block, x_in, fwd, repeats, unit, target, compile, ops,
                                  timed=not predicted)
                 repeated.remember(block, [x_in], r)
-            r.setdefault("options", [])
-            for key, value in r.items():
-                if key in fields:
-                    fields[key].append(value)
-            params_bytes += r["params"]
-            x = r["out"]
-        fields["x"].append(rounded(x.element_size() * x.numel(), unit))
-        if meta:
-            fields["fwd_time"] = list(fields["fwd_flops"])
-            fields["bwd_time"] = [2.0 * f for f in fields["fwd_flops"]]
+            rows.append(r)
+            params_bytes += r.params
+            x = r.out
+        out_bytes = rounded(x.element_size() * x.numel(), unit)
         state, transient = optimizer_memory([p for b in run for p in b.parameters()],
                                             step, unit, cuda_target(target))
         peak, loss_bytes = loss_peak(x, first, step, unit)
         beyond = step_fn_excess(nn.Sequential(*run), batch, first, step, unit)
-    out_bytes = fields["x"][-1]
-    fields["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
-    if step.autocast is None:
-        fields["cast"] = []
-    grads = sum(fields["grad"])
+    grads = sum(r.grad for r in rows)
+    cols = columns(rows, predicted=target is not None, autocast=step.autocast is not None)
+    cols["x"].append(out_bytes)
+    cols["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
+    if meta:  # FLOPs stand for times (forward once, backward twice)
+        cols["fwd_time"] = [r.fwd_flops for r in rows]
+        cols["bwd_time"] = [2.0 * r.fwd_flops for r in rows]
     return ChainCosts(
-        **fields,
+        **cols,
         grads_resident=step.grads_resident,
         # the output and the loss (alive until the step ends, as in a user's loop), the
         # gradient backward starts from (alive until it ends), and the output's gradient
@@ -135,6 +128,17 @@ def profile_chain(
     )
 
 
+def columns(rows: list[BlockCost], predicted: bool, autocast: bool) -> dict[str, list]:
+    """The `ChainCosts` columns of blocks' costs, in order: the ranges only when
+    `predicted`, the weight copies only under `autocast`."""
+    keys = ["x", "saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem", "grad",
+            "fwd_time", "bwd_time", "fwd_flops", "options"]
+    keys += ["fwd_range", "bwd_range", "checkpoint_time", "checkpoint_range"] if predicted \
+        else []
+    keys += ["cast"] if autocast else []
+    return {key: [getattr(r, key) for r in rows] for key in keys}
+
+
 def _runnable(blocks: list[nn.Module], batch: Batch, device: torch.device,
               session: FakeSession | None, meta: bool) -> tuple[list[nn.Module], Batch]:
     """The blocks and the batch a chain is profiled on: fake twins for a target's
@@ -146,22 +150,21 @@ def _runnable(blocks: list[nn.Module], batch: Batch, device: torch.device,
 
 
 def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, repeats: int, unit: int,
-                 target: Target | None, compile: bool, ops: bool, timed: bool) -> dict:
+                 target: Target | None, compile: bool, ops: bool, timed: bool) -> BlockCost:
     """One block's profile in a chain: eager (`profile_block`; timed unless predicted), with
-    what compiling it changes measured compiled (`COMPILED_KEYS`), and its op-level menu
-    (`ops`)."""
+    what compiling it changes measured compiled (`block.COMPILED_FIELDS`), and its op-level
+    menu (`ops`)."""
     with preserved(block):
         r = profile_block(block, x_in, repeats=repeats if timed else 0, unit=unit, run=fwd,
                           target=target)
     if compile:
         with preserved(block), compiling():
-            r.update({k: v for k, v in profile_block(block, x_in, repeats, unit, run=fwd,
-                                                     compile=True).items()
-                      if k in COMPILED_KEYS})
+            c = profile_block(block, x_in, repeats, unit, run=fwd, compile=True)
+        r = replace(r, **{k: getattr(c, k) for k in COMPILED_FIELDS})
     if ops:
         with preserved(block), compiling() if compile else contextlib.nullcontext():
-            r["options"] = block_menu(block, fwd, x_in, r, repeats=repeats, unit=unit,
-                                      target=target, compile=compile)
+            r.options = block_menu(block, fwd, x_in, r, repeats=repeats, unit=unit,
+                                   target=target, compile=compile)
     return r
 
 
@@ -241,10 +244,10 @@ class Repeats:
     the same FLOPs and returns the same shape."""
 
     def __init__(self) -> None:
-        self.rows: dict[tuple, dict] = {}
+        self.rows: dict[tuple, BlockCost] = {}
 
     def costs(self, module: nn.Module, inputs: list[torch.Tensor],
-              forward: Callable[[], torch.Tensor]) -> dict | None:
+              forward: Callable[[], torch.Tensor]) -> BlockCost | None:
         """The remembered costs of a block like `module` on `inputs` with `out` its own
         output of `forward()`, or None when it must be profiled."""
         row = self.rows.get(structure_key(module, inputs))
@@ -253,11 +256,12 @@ class Repeats:
         flops = flop_count.counter()
         with preserved(module), torch.no_grad(), flops:
             out = forward()
-        if flops.get_total_flops() != row["fwd_flops"] or out.shape != row["out"].shape:
+        if flops.get_total_flops() != row.fwd_flops or out.shape != row.out.shape:
             return None
-        return {**row, "out": out}
+        return replace(row, out=out)
 
-    def remember(self, module: nn.Module, inputs: list[torch.Tensor], row: dict) -> None:
+    def remember(self, module: nn.Module, inputs: list[torch.Tensor], row: BlockCost
+                 ) -> None:
         self.rows.setdefault(structure_key(module, inputs), row)
 
 
@@ -277,10 +281,6 @@ def block_input(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
     if not (needs_grad and x.is_floating_point()):
         return x.detach()
     return x.detach().requires_grad_().clone()
-
-
-COMPILED_KEYS = ("saved", "keeps_input", "keeps_output", "fwd_mem", "rec_mem", "bwd_mem",
-                 "fwd_time", "bwd_time")  # what compiling a block changes (FLOPs and shapes do not)
 
 
 def cuda_target(target: Target | None) -> bool:

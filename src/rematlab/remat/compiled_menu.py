@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from rematlab.core.steps import is_oom, preserved
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.targets import Target
-from rematlab.remat.block import compiled, profile_block
+from rematlab.remat.block import BlockCost, compiled, profile_block
 from rematlab.remat.ops import (
     OPTION_REPEATS,
     OpCost,
@@ -111,7 +111,7 @@ def _matched(eager: list[str], traced: list[str]) -> dict[int, int]:
     return pairs
 
 
-def block_menu(module: nn.Module, run: Run, x_in: torch.Tensor, plain: dict,
+def block_menu(module: nn.Module, run: Run, x_in: torch.Tensor, plain: BlockCost,
                others: list[torch.Tensor] | None = None, repeats: int = 3, unit: int = 1,
                target: Target | None = None, compile: bool = False, where: str = "block"
                ) -> list[Option]:
@@ -124,7 +124,7 @@ def block_menu(module: nn.Module, run: Run, x_in: torch.Tensor, plain: dict,
     return compiled_options(module, run, x_in, plain, eager, others, repeats, unit, where)
 
 
-def compiled_options(module: nn.Module, run: Run, x_in: torch.Tensor, plain: dict,
+def compiled_options(module: nn.Module, run: Run, x_in: torch.Tensor, plain: BlockCost,
                      eager: list[OpCost], others: list[torch.Tensor] | None = None,
                      repeats: int = 3, unit: int = 1, where: str = "block") -> list[Option]:
     """The menu of `module` compiled (see module docstring): each save set measured under
@@ -152,8 +152,8 @@ def compiled_options(module: nn.Module, run: Run, x_in: torch.Tensor, plain: dic
                           f"menu: torch.compile cannot run it ({type(why).__name__}: {first})",
                           RuntimeWarning, stacklevel=2)
             continue
-        menu.append(Option(name=item.option, saves=saves, saved=r["saved"],
-                           keeps_input=r["keeps_input"], keeps_output=r["keeps_output"],
-                           fwd_mem=r["fwd_mem"], bwd_mem=r["bwd_mem"],
-                           fwd_time=r["fwd_time"], bwd_time=r["bwd_time"], ops=key))
+        menu.append(Option(name=item.option, saves=saves, saved=r.saved,
+                           keeps_input=r.keeps_input, keeps_output=r.keeps_output,
+                           fwd_mem=r.fwd_mem, bwd_mem=r.bwd_mem,
+                           fwd_time=r.fwd_time, bwd_time=r.bwd_time, ops=key))
     return smaller(menu, plain, unit)

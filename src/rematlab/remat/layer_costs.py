@@ -23,12 +23,12 @@ from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.targets import Target
-from rematlab.remat.block import profile_block
+from rematlab.remat.block import BlockCost, profile_block
 from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
 from rematlab.remat.compiled_menu import block_menu
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import OPTION_REPEATS
-from rematlab.remat.outer import one_pass, outer_costs, output_tensor, step_time
+from rematlab.remat.outer import OuterCost, one_pass, outer_costs, output_tensor, step_time
 from rematlab.remat.shorten import shortened, stretched
 
 _log = logging.getLogger("rematlab")
@@ -83,12 +83,12 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
         rows, outer = (_shortened_run(model, batch, layers, how)
                        or _run(model, batch, layers, how))
     # the step's time outside the layers: what no plan changes, so predicted times are steps
-    outside = max(0.0, outer["step_time"] - sum(r["fwd_time"] + r["bwd_time"] for r in rows))
-    outside_range = tuple(max(0.0, outer["step_range"][end] - sum(
-        r["fwd_range"][end] + r["bwd_range"][end] for r in rows))
+    outside = max(0.0, outer.step_time - sum(r.fwd_time + r.bwd_time for r in rows))
+    outside_range = tuple(max(0.0, outer.step_range[end] - sum(
+        r.fwd_range[end] + r.bwd_range[end] for r in rows))
         for end in (0, 1)) if target is not None else None
-    live = outer["layer_live"]
-    x = [0, *(r["x"] for r in rows), rounded(rows[-1]["out"].untyped_storage().nbytes(), unit),
+    live = outer.layer_live
+    x = [0, *(r.x for r in rows), rounded(rows[-1].out.untyped_storage().nbytes(), unit),
          0]
     state, transient = optimizer_memory(list(model.parameters()), step, unit,
                                         cuda_target(target))
@@ -99,12 +99,12 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
     inputs = batch_bytes(batch, unit)
     ranges = {}
     if target is not None:  # the same at each end of the predicted interval
-        ranges = {"fwd_range": [(0.0, 0.0), *(r["fwd_range"] for r in rows), (0.0, 0.0)],
-                  "bwd_range": [outside_range, *(r["bwd_range"] for r in rows),
+        ranges = {"fwd_range": [(0.0, 0.0), *(r.fwd_range for r in rows), (0.0, 0.0)],
+                  "bwd_range": [outside_range, *(r.bwd_range for r in rows),
                                 (0.0, 0.0)],
                   # the outer pseudo-blocks are never checkpointed
-                  "checkpoint_time": [0.0, *(r["checkpoint_time"] for r in rows), 0.0],
-                  "checkpoint_range": [(0.0, 0.0), *(r["checkpoint_range"] for r in rows),
+                  "checkpoint_time": [0.0, *(r.checkpoint_time for r in rows), 0.0],
+                  "checkpoint_range": [(0.0, 0.0), *(r.checkpoint_range for r in rows),
                                        (0.0, 0.0)]}
 
     # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
@@ -112,39 +112,39 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
     # explains. A checkpointed layer holds none of it (caches are not passed to it).
     for i, r in enumerate(rows):
         nxt = x[i + 2]
-        explained = r["saved"] + nxt - (0 if r["keeps_input"] or i == 0 else r["x"])
-        r["saved"] += max(0, live[i + 1] - live[i] - explained)
+        explained = r.saved + nxt - (0 if r.keeps_input or i == 0 else r.x)
+        r.saved += max(0, live[i + 1] - live[i] - explained)
 
     def column(key: str, first: Any, last: Any) -> list:
-        return [first, *(r[key] for r in rows), last]
+        return [first, *(getattr(r, key) for r in rows), last]
 
     return ChainCosts(
         x=x,
-        saved=column("saved", outer["before_saved"], outer["after_saved"]),
-        keeps_input=column("keeps_input", False, outer["after_keeps_input"]),
+        saved=column("saved", outer.before_saved, outer.after_saved),
+        keeps_input=column("keeps_input", False, outer.after_keeps_input),
         keeps_output=column("keeps_output", False, False),
-        fwd_mem=column("fwd_mem", outer["before_fwd"], outer["after_fwd"]),
-        rec_mem=column("rec_mem", outer["before_fwd"], outer["after_fwd"]),
-        bwd_mem=column("bwd_mem", outer["before_bwd"], outer["after_bwd"]),
-        grad=column("grad", outer["before_grad"], outer["after_grad"]),
+        fwd_mem=column("fwd_mem", outer.before_fwd, outer.after_fwd),
+        rec_mem=column("rec_mem", outer.before_fwd, outer.after_fwd),
+        bwd_mem=column("bwd_mem", outer.before_bwd, outer.after_bwd),
+        grad=column("grad", outer.before_grad, outer.after_grad),
         fwd_time=column("fwd_time", 0.0, 0.0),
         bwd_time=column("bwd_time", outside, 0.0),
         fwd_flops=column("fwd_flops", 0.0, 0.0),
-        options=[[], *(r.get("options", []) for r in rows), []],
+        options=[[], *(r.options for r in rows), []],
         cast=column("cast", 0, 0) if step.autocast is not None else [],
         grads_resident=step.grads_resident,
-        base=params + state + inputs + outer["output"] + outer["loss"]
+        base=params + state + inputs + outer.output + outer.loss
         + (grads if step.grads_resident else 0),
         state=state,
         # the output and the loss are still alive in the user's loop
-        optimizer_peak=params + grads + state + transient + inputs + outer["output"]
-        + outer["loss"],
+        optimizer_peak=params + grads + state + transient + inputs + outer.output
+        + outer.loss,
         **ranges,
     )
 
 
 def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
-         ) -> tuple[list[dict], dict]:
+         ) -> tuple[list[BlockCost], OuterCost]:
     """Each layer's profile (identical layers once, `Repeats`) and the outer costs."""
     device = next(tensors(batch)).device
     repeated = Repeats()
@@ -159,14 +159,15 @@ def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
                         how.target)
     if in_step:
         rows, kept = _options_in_step(model, batch, layers, rows, how.step)
-        outer["step_time"] = kept if kept is not None else step_time(
+        outer.step_time = kept if kept is not None else step_time(
             attach(model, LayerRemat(layers, none_plan(len(layers) + 2))), batch, how.step,
             how.repeats)
     return rows, outer
 
 
 def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
-                     rows: list[dict], step: Step) -> tuple[list[dict], float | None]:
+                     rows: list[BlockCost], step: Step
+                     ) -> tuple[list[BlockCost], float | None]:
     """The layers' options with the time they take in a step. A layer profiled alone under
     selective checkpointing can cost far less than it does between other layers (on this
     CPU a Llama-style layer's "save mm×7, bmm×2" profiled at +7-9 ms and took +18-20 ms in the
@@ -178,8 +179,8 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
     (`ops.block_options`) already hold. Also returns the all-kept step's median seconds (the
     profile's step time), None when no option costs more than its layer and nothing was
     timed."""
-    menus = [r.get("options", []) for r in rows]
-    predicted = sum(m[0].fwd_time + m[0].bwd_time - r["fwd_time"] - r["bwd_time"]
+    menus = [r.options for r in rows]
+    predicted = sum(m[0].fwd_time + m[0].bwd_time - r.fwd_time - r.bwd_time
                     for r, m in zip(rows, menus, strict=True) if m)
     if predicted <= 0:
         return rows, None
@@ -194,16 +195,16 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
              for name, run in runs.items()}, OPTION_REPEATS, warmup=0)
     scale = max(1.0, (timing.median("options") - timing.median("kept")) / predicted)
 
-    def scaled(row: dict) -> dict:
-        plain = row["fwd_time"] + row["bwd_time"]
-        return {**row, "options": [
+    def scaled(row: BlockCost) -> BlockCost:
+        plain = row.fwd_time + row.bwd_time
+        return replace(row, options=[
             replace(o, bwd_time=o.bwd_time + (scale - 1) * (o.fwd_time + o.bwd_time - plain))
-            for o in row.get("options", [])]}
+            for o in row.options])
     return [scaled(r) for r in rows], timing.median("kept")
 
 
 def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
-                   ) -> tuple[list[dict], dict] | None:
+                   ) -> tuple[list[BlockCost], OuterCost] | None:
     """`_run` through the three-layer twin (`rematlab.remat.shorten`), and pre-flight the
     four-layer twin's step time; None where they do not apply, or where the model's loop
     does not run a shortened layer list (one that indexes its layers by the config's count):
@@ -229,7 +230,7 @@ def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how:
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
-                   repeated: Repeats, how: Profiling) -> dict:
+                   repeated: Repeats, how: Profiling) -> BlockCost:
     """One layer's costs, profiled on the arguments it received in the real forward (or
     those of an identical layer profiled before it, `Repeats`), its forward in the step's
     autocast region."""
@@ -250,9 +251,9 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
                                 compile=how.compile, target=how.target, unit=how.unit)
         if how.ops:
             with preserved(layer):
-                row["options"] = block_menu(layer, run, x_in, row, others=lc.others(),
+                row.options = block_menu(layer, run, x_in, row, others=lc.others(),
                                             repeats=how.repeats, target=how.target,
                                             unit=how.unit, compile=how.compile,
                                             where=type(layer).__name__)
         repeated.remember(layer, inputs, row)
-    return dict(row)
+    return replace(row)

@@ -43,6 +43,7 @@ from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
 from rematlab.preflight.targets import Target, backward_interval, interval, selective_seconds
 from rematlab.remat.activations import activations, short_module, submodule_seconds
+from rematlab.remat.block import BlockCost
 from rematlab.remat.policy import SavePolicy, compiled_context_fn, fingerprint, metadata
 from rematlab.remat.recompute import RecomputeStats, recomputed_modules, selective_contexts
 
@@ -212,7 +213,7 @@ def save_sets(ops: list[OpCost], compiled: bool = False) -> list[tuple[tuple[str
 
 
 def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
-                  x_in: torch.Tensor, plain: dict, others: list[torch.Tensor] | None = None,
+                  x_in: torch.Tensor, plain: BlockCost, others: list[torch.Tensor] | None = None,
                   repeats: int = 3, unit: int = 1, target: Target | None = None
                   ) -> list[Option]:
     """The menu of `module`: each save set of `save_sets`, run under selective checkpointing
@@ -234,30 +235,30 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
     # block kept plainly does
     again = (submodule_seconds(module, acts, run, x_in, max(repeats, OPTION_REPEATS))
              if acts and target is None else 0.0)
-    return smaller([replace(o, bwd_time=max(o.bwd_time, plain["bwd_time"]
+    return smaller([replace(o, bwd_time=max(o.bwd_time, plain.bwd_time
                                             + _recomputed(ops, o.saves))) if o.saves
-                    else replace(o, keeps_input=plain["keeps_input"],
-                                 bwd_time=max(o.bwd_time, plain["bwd_time"] + again))
+                    else replace(o, keeps_input=plain.keeps_input,
+                                 bwd_time=max(o.bwd_time, plain.bwd_time + again))
                     for o in menu], plain, unit)
 
 
-def smaller(menu: list[Option], plain: dict, unit: int) -> list[Option]:
+def smaller(menu: list[Option], plain: BlockCost, unit: int) -> list[Option]:
     """`menu` named apart (plans name options: two summaries alike get a number), each no
     faster than the block kept plainly (`plain`: its `profile_block` row), and without the
     options that hold no less than that block."""
-    x, out = plain["x"], rounded(plain["out"].untyped_storage().nbytes(), unit)
+    x, out = plain.x, rounded(plain.out.untyped_storage().nbytes(), unit)
 
     def held(saved: int, keeps_input: bool, keeps_output: bool) -> int:
         return saved + x * keeps_input + out * keeps_output
 
-    limit = held(plain["saved"], plain["keeps_input"], plain["keeps_output"])
+    limit = held(plain.saved, plain.keeps_input, plain.keeps_output)
     seen: Counter[str] = Counter()
     named = []
     for o in menu:
         seen[o.name] += 1
         named.append(replace(o, name=o.name if seen[o.name] == 1 else f"{o.name} #{seen[o.name]}",
-                             fwd_time=max(o.fwd_time, plain["fwd_time"]),
-                             bwd_time=max(o.bwd_time, plain["bwd_time"])))
+                             fwd_time=max(o.fwd_time, plain.fwd_time),
+                             bwd_time=max(o.bwd_time, plain.bwd_time)))
     return [o for o in named if held(o.saved, o.keeps_input, o.keeps_output) < limit]
 
 

@@ -156,8 +156,34 @@ def _tracked_step(plain: nn.Module, batch: Batch, step: Step, probe: _Probe,
     return _Ends(output, loss_bytes, alive)
 
 
+@dataclass
+class OuterCost:
+    """The costs of what runs before the first layer and after the last (`outer_costs`):
+    the first and last pseudo-blocks of a layer chain (`remat.layer_costs`), bytes and
+    seconds. `layer_live`: the live bytes as each layer is entered and after the last;
+    `output`, `loss`: the model's output and the loss, alive until the step ends;
+    `before_*` / `after_*`: the pseudo-blocks' saved bytes, transient peaks and gradients,
+    as `plans.plan.ChainCosts` names them; `step_time`: the step with every layer kept, and
+    predicted, its (fastest, slowest) range."""
+
+    layer_live: list[int]
+    output: int
+    loss: int
+    before_saved: int
+    before_fwd: int
+    before_bwd: int
+    before_grad: int
+    after_saved: int
+    after_keeps_input: bool
+    after_fwd: int
+    after_bwd: int
+    after_grad: int
+    step_time: float = 0.0
+    step_range: tuple[float, float] | None = None
+
+
 def _outer_figures(probe: _Probe, ends: _Ends, params: list[torch.Tensor],
-                   layers: list[nn.Module]) -> dict:
+                   layers: list[nn.Module]) -> OuterCost:
     """The outer pseudo-blocks' costs from the marks (see `outer_costs`)."""
     at = probe.marks
     layer_params = {id(p) for m in layers for p in m.parameters()}
@@ -166,25 +192,25 @@ def _outer_figures(probe: _Probe, ends: _Ends, params: list[torch.Tensor],
     after_grad = sum(nbytes.get(i, 0) for i in probe.grads_at_last)
     first_in, last_out = at[_Event.FIRST_IN], at[_Event.LAST_OUT]
     bwd_start, end = at[_Event.BACKWARD_START], at[_Event.END]
-    return {
-        "layer_live": probe.layer_live,
-        "output": ends.output,
-        "loss": ends.loss,
-        "before_saved": first_in.live - at[_Event.START].live - probe.x_first,
-        "before_fwd": first_in.peak - at[_Event.START].live,
-        "before_bwd": 0 if probe.frozen else end.peak - at[_Event.FIRST_GRAD].live,
-        "before_grad": sum(nbytes.values()) - after_grad,
-        "after_saved": bwd_start.live - last_out.live
+    return OuterCost(
+        layer_live=probe.layer_live,
+        output=ends.output,
+        loss=ends.loss,
+        before_saved=first_in.live - at[_Event.START].live - probe.x_first,
+        before_fwd=first_in.peak - at[_Event.START].live,
+        before_bwd=0 if probe.frozen else end.peak - at[_Event.FIRST_GRAD].live,
+        before_grad=sum(nbytes.values()) - after_grad,
+        after_saved=bwd_start.live - last_out.live
         + (0 if ends.last_alive else probe.y_last) - ends.output,
-        "after_keeps_input": ends.last_alive,
-        "after_fwd": at[_Event.FORWARD_END].peak - last_out.live,
-        "after_bwd": at[_Event.LAST_GRAD].peak - bwd_start.live,
-        "after_grad": after_grad,
-    }
+        after_keeps_input=ends.last_alive,
+        after_fwd=at[_Event.FORWARD_END].peak - last_out.live,
+        after_bwd=at[_Event.LAST_GRAD].peak - bwd_start.live,
+        after_grad=after_grad,
+    )
 
 
 def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: Step,
-                repeats: int, target: Target | None = None) -> dict:
+                repeats: int, target: Target | None = None) -> OuterCost:
     """Costs of what runs before the first layer and after the last, from one tracked
     training step with every layer kept: live bytes and peaks between the step's events
     (`_Event`: first layer entered, last layer left, loss computed, gradient of the last
@@ -200,12 +226,14 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: S
         tracker.track([*params, *model.buffers(), *tensors(batch)])
         with probe.hooked(layers):
             ends = _tracked_step(plain, batch, step, probe, log)
-        timing = {"step_time": step_time(plain, batch, step, repeats)}
-        if target is not None:
-            fast, timing["step_time"], slow = interval(log.ops, target)
-            timing["step_range"] = (fast, slow)
+        seconds = step_time(plain, batch, step, repeats)
     probe.check()
-    return {**_outer_figures(probe, ends, params, layers), **timing}
+    cost = _outer_figures(probe, ends, params, layers)
+    cost.step_time = seconds
+    if log is not None:
+        fast, cost.step_time, slow = interval(log.ops, target)
+        cost.step_range = (fast, slow)
+    return cost
 
 
 def step_time(model: nn.Module, batch: Batch, step: Step, repeats: int) -> float:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 
 from torch import nn
 
+from rematlab.remat.block import BlockCost
 from rematlab.remat.chain import structure_key
+from rematlab.remat.outer import OuterCost
 
 MIN_LAYERS = 5  # the twins run three and four layers: on fewer they would save nothing
 _INDEX_WORDS = ("idx", "index", "layer_id", "layer_num")  # attributes that number a layer
@@ -71,8 +74,8 @@ def shortened(model: nn.Module, layers: list[nn.Module], keep: int = 3
         container._modules = full
 
 
-def stretched(rows: list[dict], outer: dict, longer: dict | None, n: int
-              ) -> tuple[list[dict], dict]:
+def stretched(rows: list[BlockCost], outer: OuterCost, longer: OuterCost | None, n: int
+              ) -> tuple[list[BlockCost], OuterCost]:
     """The three-layer twin's profiles and outer costs (`outer.outer_costs`) as the
     `n` layers': the second layer's profile for every middle one, its live bytes repeated,
     and the step's time grown by what one more middle layer added to it. Pre-flight, that
@@ -81,15 +84,16 @@ def stretched(rows: list[dict], outer: dict, longer: dict | None, n: int
     own forward and backward: a difference of two timed steps would multiply their noise by
     the layers added."""
     first, middle, last = rows
-    live = outer["layer_live"]
+    live = outer.layer_live
     step = live[2] - live[1]
     more = n - 3
-    per_layer = (longer["step_time"] - outer["step_time"] if longer is not None
-                 else middle["fwd_time"] + middle["bwd_time"])
-    grown = {"layer_live": [*live[:3], *(live[2] + step * i for i in range(1, more + 1)),
-                            live[3] + step * more],
-             "step_time": outer["step_time"] + more * per_layer}
-    if longer is not None and "step_range" in outer:
-        grown["step_range"] = tuple(a + more * (b - a) for a, b in
-                                    zip(outer["step_range"], longer["step_range"], strict=True))
-    return [first, *(dict(middle) for _ in range(n - 2)), last], {**outer, **grown}
+    per_layer = (longer.step_time - outer.step_time if longer is not None
+                 else middle.fwd_time + middle.bwd_time)
+    grown = replace(outer, layer_live=[*live[:3], *(live[2] + step * i
+                                                    for i in range(1, more + 1)),
+                                       live[3] + step * more],
+                    step_time=outer.step_time + more * per_layer)
+    if longer is not None and outer.step_range is not None:
+        grown.step_range = tuple(a + more * (b - a) for a, b in
+                                 zip(outer.step_range, longer.step_range, strict=True))
+    return [first, *(replace(middle) for _ in range(n - 2)), last], grown
