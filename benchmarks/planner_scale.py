@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rematlab.core.recipe import Step
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import Planning
 from rematlab.plans.fixed import none_plan
@@ -34,6 +35,7 @@ from rematlab.plans.plan import ChainCosts
 from rematlab.plans.simulate import simulate
 from rematlab.plans.solver import Solution, solve
 from rematlab.remat.chain import profile_chain
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.structure import structure
 
 LENGTHS = (25, 50, 100, 200, 400)
@@ -65,15 +67,15 @@ def row(n: int, batch: int) -> str:
     torch.manual_seed(0)
     model, x = _chain(n), torch.randn(batch, 256)
     t_structure, st = _seconds(lambda: structure(model, x, None))
-    t_profile, costs = _seconds(lambda: profile_chain(st.blocks, x, optimizer="momentum",
-                                                      repeats=1))
-    t_meta, _ = _seconds(lambda: profile_chain(st.blocks, x, device=torch.device("meta"),
-                                               optimizer="momentum"))
+    t_profile, costs = _seconds(lambda: profile_chain(st.blocks, x, Profiling(repeats=1)))
+    t_meta, _ = _seconds(lambda: profile_chain(st.blocks, x, device=torch.device("meta")))
     t_dp, t_frontier, solution = _median_solve(costs)
-    planning = Planning(model, st, x, costs, solution, True, False, None)
+    planning = Planning(model, st, x, costs, solution, verify=True, compile=False,
+                        step=Step())
     t_choose, _ = _seconds(lambda: planning.choose(int(1.2 * solution.min_peak)))
     t_next, _ = _seconds(lambda: planning.choose(int(1.3 * solution.min_peak)))
-    predicting = Planning(model, st, x, costs, solution, False, False, None)
+    predicting = Planning(model, st, x, costs, solution, verify=False, compile=False,
+                          step=Step())
     t_lookup, _ = _seconds(lambda: predicting.choose(int(1.3 * solution.min_peak)))
     solving = t_dp + t_frontier
     total = t_structure + t_profile + solving + t_choose

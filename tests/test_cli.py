@@ -70,7 +70,7 @@ def test_compile_with_predict_is_refused_in_one_line():
     proc = clirun.run(["plan", "--model", "mlp3", "--budget", "1GiB", "--compile",
                        "--predict"])
     assert proc.returncode == 2
-    assert clirun.said(proc.stderr)[0].startswith("error: --compile needs measured costs")
+    assert clirun.said(proc.stderr)[0].startswith("error: compiled costs must be measured")
     assert len(clirun.said(proc.stderr)) == 1
 
 

@@ -184,10 +184,10 @@ def test_running_out_of_memory_while_searching_is_a_result_not_a_crash(monkeypat
 
     real = maxbatch.prepare
 
-    def small_device(model, batch, **kw):
+    def small_device(model, batch, *args, **kw):
         if batch.shape[0] >= 100:
             raise MemoryError("out of memory (emulated)")
-        return real(model, batch, **kw)
+        return real(model, batch, *args, **kw)
 
     monkeypatch.setattr(maxbatch, "prepare", small_device)
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import rematlab
+from rematlab.core.recipe import Step
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.measurement import zoo
 from rematlab.planning.auto import AutoRemat, auto
@@ -14,6 +15,7 @@ from rematlab.plans.plan import Plan
 from rematlab.plans.simulate import simulate
 from rematlab.plans.solver import solve
 from rematlab.remat.chain import profile_chain
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.tracing import find_chain
 from tests import userzoo
 from tests.meters import own_loop_peak
@@ -94,7 +96,7 @@ def test_planned_model_trains_with_the_same_gradients():
     model = zoo.mlp(7, width=64).double()
     x = torch.randn(256, 1, 28, 28, dtype=torch.float64)
     y = torch.randint(0, 10, (256,))
-    costs = profile_chain(list(model), x, optimizer=None, repeats=1)
+    costs = profile_chain(list(model), x, Profiling(Step(optimizer=None), repeats=1))
     chosen = solve(costs).plan_for(solve(costs).min_peak)
     assert chosen.segments
     F.cross_entropy(model(x), y).backward()
@@ -243,7 +245,7 @@ def test_identical_blocks_are_profiled_once_and_hidden_differences_are_not():
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(4)]
     blocks += [_Scaled(1), _Scaled(1), _Scaled(3)]
-    costs = profile_chain(blocks, torch.randn(16, 32), optimizer=None, repeats=1)
+    costs = profile_chain(blocks, torch.randn(16, 32), Profiling(Step(optimizer=None), repeats=1))
     row = [(costs.saved[i], costs.fwd_time[i], costs.bwd_time[i], costs.fwd_flops[i])
            for i in range(costs.n)]
     assert row[1] == row[2] == row[3]  # block 0's input needs no gradient: a different key

@@ -13,6 +13,7 @@ from torch import nn
 
 from rematlab.core.lora import LoRALinear, add_lora
 from rematlab.core.optimizers import MixedAdamW
+from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import prepare
@@ -21,6 +22,7 @@ from rematlab.preflight import allocator
 from rematlab.preflight.targets import PROFILES, Target, interval, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.structure import structure
 from tests import realzoo
 from tests.clirun import run
@@ -61,8 +63,9 @@ def test_fake_costs_of_a_chain_are_the_real_runs_bytes(kind):
         x = torch.randn(16, 32)
     else:
         blocks, x = _cnn()
-    real = profile_chain(blocks, x, optimizer="adam", repeats=1)
-    fake = profile_chain(blocks, x, optimizer="adam", target=resolve_target(PLAIN_CPU))
+    real = profile_chain(blocks, x, Profiling(Step(optimizer="adam"), repeats=1))
+    fake = profile_chain(blocks, x, Profiling(Step(optimizer="adam"),
+                                            target=resolve_target(PLAIN_CPU)))
     # oneDNN's convolution backward reorders whole tensors in scratch memory
     _assert_same_bytes(real, fake, scratch=0.05 if kind == "mlp" else 1.0)
     assert all(t > 0 for t in fake.fwd_time) and len(fake.fwd_range) == len(blocks)
@@ -72,9 +75,8 @@ def test_fake_costs_of_gpt2_are_the_real_runs_bytes():
     model, batch = realzoo.gpt2(batch=2, seq=16, layers=2)
     model.train()
     layers = structure(model, batch).blocks
-    real = profile_layers(model, batch, layers, optimizer="momentum", repeats=1)
-    fake = profile_layers(model, batch, layers, optimizer="momentum",
-                          target=resolve_target(PLAIN_CPU))
+    real = profile_layers(model, batch, layers, Profiling(repeats=1))
+    fake = profile_layers(model, batch, layers, Profiling(target=resolve_target(PLAIN_CPU)))
     _assert_same_bytes(real, fake)
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
 
@@ -91,10 +93,11 @@ def test_a_deep_models_profile_from_its_short_twins_equals_the_full_one(name, mo
     container = shorten._container(model, layers)
     kept = dict(container._modules)
     target = resolve_target(PLAIN_CPU)
-    short = asdict(profile_layers(model, batch, layers, optimizer="adam", target=target))
+    adam = Profiling(Step(optimizer="adam"), target=target)
+    short = asdict(profile_layers(model, batch, layers, adam))
     assert dict(container._modules) == kept  # the model has all its layers again
     monkeypatch.setattr(shorten, "MIN_LAYERS", 10**6)  # the whole model's step
-    full = asdict(profile_layers(model, batch, layers, optimizer="adam", target=target))
+    full = asdict(profile_layers(model, batch, layers, adam))
     assert short.keys() == full.keys()
     for key in short:
         if key in ("fwd_time", "bwd_time"):
@@ -116,12 +119,12 @@ def test_a_measured_profile_from_short_twins_has_the_full_ones_bytes(monkeypatch
     grown = []
     monkeypatch.setattr(layer_costs, "stretched",
                         lambda *a: grown.append(a) or shorten.stretched(*a))
-    short = profile_layers(model, batch, layers, optimizer="adam", repeats=1)
+    short = profile_layers(model, batch, layers, Profiling(Step(optimizer="adam"), repeats=1))
     assert len(grown) == 1 and grown[0][2] is None  # shortened, no four-layer twin timed
     rows, _, _, n = grown[0]
     assert n == 6 and len(rows) == 3
     monkeypatch.setattr(shorten, "MIN_LAYERS", 10**6)
-    full = profile_layers(model, batch, layers, optimizer="adam", repeats=1)
+    full = profile_layers(model, batch, layers, Profiling(Step(optimizer="adam"), repeats=1))
     assert len(grown) == 1  # the whole model's run
     for key in (*BYTES, "rec_mem", "bwd_mem"):
         assert getattr(short, key) == getattr(full, key), key
@@ -150,9 +153,9 @@ def test_a_loop_that_cannot_run_shortened_is_profiled_whole(monkeypatch):
     batch = (torch.randint(0, 50, (2, 12)), torch.randn(2), torch.ones(2, 12))
     layers = structure(model, batch).blocks
     target = resolve_target(PLAIN_CPU)
-    got = asdict(profile_layers(model, batch, layers, target=target))
+    got = asdict(profile_layers(model, batch, layers, Profiling(target=target)))
     monkeypatch.setattr(shorten, "MIN_LAYERS", 10**6)
-    assert got == asdict(profile_layers(model, batch, layers, target=target))
+    assert got == asdict(profile_layers(model, batch, layers, Profiling(target=target)))
 
 
 def test_layers_that_differ_in_a_plain_attribute_are_not_shortened():
@@ -425,7 +428,7 @@ def test_the_cli_plans_a_meta_model_for_a_gpu_target():
 
 def test_the_cli_refuses_a_target_without_predict_and_an_unknown_target():
     base = ["plan", "--model", "mlp3", "--batch", "4", "--budget", "1GiB"]
-    for extra, message in ((["--target", "h100"], "add --predict"),
+    for extra, message in ((["--target", "h100"], "it needs predict (predict=True, --predict)"),
                            (["--predict", "--target", "tpu"], "unknown target")):
         res = run(base + extra)
         assert res.returncode == 2 and message in res.stderr, res.stderr
@@ -471,7 +474,7 @@ def test_running_out_of_memory_in_the_short_twin_is_not_hidden_by_a_whole_run(mo
 
     monkeypatch.setattr(layer_costs, "_run", out_of_memory)
     with pytest.raises(MemoryError):
-        profile_layers(model, batch, layers, target=resolve_target(PLAIN_CPU))
+        profile_layers(model, batch, layers, Profiling(target=resolve_target(PLAIN_CPU)))
     assert runs == [3]  # the three-layer twin, and no whole-model run after it
 
 

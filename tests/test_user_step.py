@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rematlab
+from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError
 from tests.meters import loss_loop_peak, user_loop_peak
 from tests.realzoo import gpt2, llama
@@ -158,6 +159,7 @@ def test_pre_flight_prices_the_users_step_as_a_real_run_does(precision):
     the bytes of the measured profile, its cast weights among them."""
     from rematlab.preflight.targets import resolve_target
     from rematlab.remat.layer_costs import profile_layers
+    from rematlab.remat.profiling import Profiling
     from rematlab.remat.structure import structure
     from tests.test_preflight import BYTES, PLAIN_CPU
 
@@ -166,8 +168,9 @@ def test_pre_flight_prices_the_users_step_as_a_real_run_does(precision):
     layers = structure(model, batch).blocks
     step = rematlab.Step(precision=precision, micro_batches=2, clip=1.0,
                          optimizer=torch.optim.AdamW)
-    real = profile_layers(model, batch, layers, step=step, repeats=1)
-    fake = profile_layers(model, batch, layers, step=step, target=resolve_target(PLAIN_CPU))
+    real = profile_layers(model, batch, layers, Profiling(step, repeats=1))
+    fake = profile_layers(model, batch, layers,
+                          Profiling(step, target=resolve_target(PLAIN_CPU)))
     for key in BYTES:  # equal bytes; transient peaks: the real run's kernels' scratch on top
         if key not in ("fwd_mem", "bwd_mem"):
             assert getattr(fake, key) == getattr(real, key), key
@@ -176,7 +179,7 @@ def test_pre_flight_prices_the_users_step_as_a_real_run_does(precision):
             assert r >= f - 256, key  # which only the allocator sees
     assert real.cast == fake.cast and all(c > 0 for c in real.cast[1:-1])
     assert fake.grads_resident
-    fp32 = profile_layers(model, batch, layers, optimizer="adamw", repeats=1)
+    fp32 = profile_layers(model, batch, layers, Profiling(Step(optimizer="adamw"), repeats=1))
     assert sum(real.saved) < sum(fp32.saved)  # autocast saves low-precision tensors
     assert not fp32.cast
 

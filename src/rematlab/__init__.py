@@ -9,7 +9,8 @@ on `plan`, `prepare` and `max_batch`) plans without running, for a device that i
 (`Target`, `PROFILES`), with `add_lora` for the way large models are fine-tuned. `Step`
 describes the user's own training step (autocast, micro-batches, clipping, optimizer, and
 its parallel layout: `FSDP` or `DDP`, planned per rank), for which every plan and measurement
-is then made. `zoo` holds the study's six architectures.
+is then made; `PlanOptions` says how to plan (its fields are also keywords of `plan`,
+`prepare`, `max_batch` and `auto`). `zoo` holds the study's six architectures.
 """
 
 from rematlab.core.layout import DDP, FSDP
@@ -21,6 +22,7 @@ from rematlab.measurement.measure import measure
 from rematlab.measurement.spec import Observation, Spec
 from rematlab.planning.auto import auto
 from rematlab.planning.maxbatch import max_batch
+from rematlab.planning.options import PlanOptions
 from rematlab.planning.planner import Planning, plan, prepare
 from rematlab.plans.plan import Plan
 from rematlab.preflight.targets import PROFILES, Target
@@ -50,6 +52,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "Observation",
     "Plan",
+    "PlanOptions",
     "Planning",
     "Predictor",
     "RematlabError",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,6 +36,7 @@ from rematlab.cli.app import (
     console,
     handles_errors,
 )
+from rematlab.cli.models import ModelSource, model_and_batches
 from rematlab.core.files import write_text
 from rematlab.core.optimizers import OPTIMIZERS
 from rematlab.core.units import format_bytes, parse_bytes
@@ -150,22 +150,20 @@ def plan_cmd(
     import torch.distributed as dist
 
     from rematlab.distributed.group import leave_job
+    from rematlab.planning.options import PlanOptions
     from rematlab.planning.planner import prepare
 
-    if compile and predict:
-        raise ConfigError("--compile needs measured costs; it cannot be used with --predict")
-    if target is not None and not predict:
-        raise ConfigError("--target is for plans made without running: add --predict")
+    options = PlanOptions(blocks=blocks or None, predict=predict, target=target,
+                          compile=compile, ops=ops)
     wanted = _budget_list(budget, budgets)
     if out is not None and len(wanted) > 1:
         raise ConfigError("--out writes one plan: give one --budget")
     layout = _layout(fsdp, ddp, predict, device)
-    net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
-                                      device, dtype, lora, predict)
+    source = ModelSource(model, input, input_shape, input_dtype, vocab, example, dtype, lora)
+    net, batches = model_and_batches(source, device, predict)
     step = replace(_step(optimizer, precision, micro_batches, clip, grads_to_zero, step_fn),
                    layout=layout)
-    planning = prepare(net, batches(batch), step=step, blocks=blocks or None, predict=predict,
-                       target=target, compile=compile, ops=ops)
+    planning = prepare(net, batches(batch), options, step=step)
     summaries = [_plan_summary(planning, b) for b in wanted]
     if layout is not None and not predict:
         rank = dist.get_rank()
@@ -192,47 +190,6 @@ def plan_cmd(
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
     if compile:
         console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
-
-
-def _model_and_batches(model: str, input: str | None, input_shape: str | None,
-                       input_dtype: str, vocab: int | None, example: str | None, device: str,
-                       dtype: str, lora: int | None, predict: bool
-                       ) -> tuple[Any, Callable[[int], Any]]:
-    """The model (in `dtype`, with LoRA adapters of rank `lora`) and a factory of its example
-    batches by size, on `device`; when predicting, the model is left where its factory built
-    it (the meta device, for a model too large for this machine) and batches are made of
-    shapes only (meta tensors).
-    Integer inputs are token ids: a model that takes `labels` gets them (the ids), so that
-    its loss — the logits' upcast to fp32 included — is in the step."""
-    import inspect
-
-    import torch
-
-    from rematlab.core.batch import DTYPES, FLOAT_DTYPES, make_example
-    from rematlab.core.lora import add_lora
-    from rematlab.measurement import zoo
-    from rematlab.measurement.spec import available, parse_device
-
-    if dtype not in FLOAT_DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(FLOAT_DTYPES)}")
-    dev = torch.device("meta") if predict else available(parse_device(device))
-    net, shape, _ = zoo.resolve(model, input, _shape(input_shape))
-    net = net.to(FLOAT_DTYPES[dtype])
-    if lora is not None:
-        net = add_lora(net, lora)
-    if not predict:
-        net = net.to(dev)
-    tokens = (example is None and input_dtype in DTYPES
-              and not DTYPES[input_dtype].is_floating_point
-              and "labels" in inspect.signature(net.forward).parameters)
-
-    def batches(size: int) -> Any:
-        x = make_example(size, shape, input_dtype=input_dtype, vocab=vocab, example=example,
-                         device=None if predict else dev, shapes_only=predict)
-        return {"input_ids": x, "labels": x} if tokens else x
-
-    batches(2)  # bad input fails here, before any work
-    return net.train(), batches
 
 
 def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
@@ -351,19 +308,19 @@ def max_batch_cmd(
 ) -> None:
     """The largest batch that fits the budget without remat and with the optimal plan, and
     the throughput (samples/s) of each: does remat pay off for this model?"""
-    from rematlab.planning.maxbatch import max_batch
+    from rematlab.planning.maxbatch import SearchOptions, max_batch
+    from rematlab.planning.options import PlanOptions
 
     budget = checked(budget)
     if batch < 2:
         raise ConfigError(f"--batch must be at least 2 (the search profiles it and twice it), "
                           f"got {batch}")
-    if target is not None and not predict:
-        raise ConfigError("--target is for searches made without running: add --predict")
-    net, batches = _model_and_batches(model, input, input_shape, input_dtype, vocab, example,
-                                      device, dtype, lora, predict)
+    options = PlanOptions(blocks=blocks or None, predict=predict, target=target)
+    search = SearchOptions(start=batch, limit=limit, repeats=repeats)
+    source = ModelSource(model, input, input_shape, input_dtype, vocab, example, dtype, lora)
+    net, batches = model_and_batches(source, device, predict)
     step = _step(optimizer, precision, micro_batches, clip, grads_to_zero, step_fn)
-    found = max_batch(net, batches, budget, start=batch, limit=limit, step=step,
-                      blocks=blocks or None, repeats=repeats, predict=predict, target=target)
+    found = max_batch(net, batches, budget, options, search=search, step=step)
     if as_json:
         _print_json(found.to_dict())
         return

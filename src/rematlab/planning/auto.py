@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from rematlab.core.batch import call, detached, tensors
-from rematlab.core.recipe import Step, as_step
-from rematlab.core.steps import LossFn
+from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import checked, derive, is_auto
+from rematlab.planning.options import PlanOptions, request
 from rematlab.planning.planner import Planning, prepare
 from rematlab.planning.shapes import ShapeBuckets, Shapes, covers, shapes_of, tiled
 from rematlab.plans.plan import Plan
@@ -57,20 +57,16 @@ class AutoRemat(nn.Module):
 
     REGROW = 1.25
 
-    def __init__(self, model: nn.Module, budget: str | int, *, optimizer: str | None = "momentum",
-                 blocks: list[nn.Module] | str | list[str] | None = None,
-                 loss_fn: LossFn | None = None, predict: bool = False, ops: bool = False,
-                 recheck_s: float = 10.0, step: Step | None = None,
-                 shape_buckets: bool = True) -> None:
+    def __init__(self, model: nn.Module, budget: str | int, options: PlanOptions | None = None,
+                 *, recheck_s: float = 10.0, step: Step | None = None,
+                 shape_buckets: bool = True, **keywords: Any) -> None:
         super().__init__()
         self.model = model
         self.budget = checked(budget)  # 'auto' is derived again for every new shape
-        self.step = as_step(step, optimizer, loss_fn)
-        self.predict = predict
-        self.ops = ops
+        self.options, self.step = request(options, step, keywords)  # plan's keywords too
         self.recheck_s = recheck_s
         self.shape_buckets = shape_buckets
-        self._blocks = blocks
+        self._blocks = self.options.blocks
         self.plans: dict[tuple, nn.Module] = {}  # by bucket: (dtypes and devices, shapes)
         self.events: list[Replan] = []
         self._buckets = ShapeBuckets()
@@ -196,8 +192,7 @@ class AutoRemat(nn.Module):
                   format_bytes(derived.nbytes), derived.how)
 
     def _prepare(self, example: Any) -> Planning:
-        return prepare(self.model, example, step=self.step, blocks=self._blocks,
-                       predict=self.predict, ops=self.ops)
+        return prepare(self.model, example, self.options, step=self.step)
 
 
 def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:

@@ -29,6 +29,7 @@ from rematlab.core.batch import tensors
 from rematlab.core.recipe import Step
 from rematlab.core.steps import preserved
 from rematlab.core.timer import profile_timer, timed, watched
+from rematlab.planning.options import FRACTIONS
 from rematlab.planning.verify import PlannedStep, measure_planned, planned_step
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -37,7 +38,6 @@ from rematlab.remat.compiled_budget import global_fraction, settings
 from rematlab.remat.outer import one_pass
 from rematlab.remat.structure import Structure
 
-FRACTIONS = (0.0, 0.5, 1.0)  # each costs a compile and a timing run: a few, 0 and 1 among them
 COMBINED = (0.5, 0.0)  # tried inside the kept blocks of the plan just faster than the choice
 ROUNDS = 5  # interleaved rounds of a candidate against the eager reference
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -40,14 +40,15 @@ from rematlab.core.batch import Batch, check_batch, resized, tensors, to_device
 from rematlab.core.checks import bounded
 from rematlab.core.clocks import Clock
 from rematlab.core.guard import Evidence
-from rematlab.core.recipe import Step, as_step
-from rematlab.core.steps import LossFn, is_oom, preserved
+from rematlab.core.recipe import Step
+from rematlab.core.steps import is_oom, preserved
 from rematlab.core.timer import Timer, Timing, Turns
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
 from rematlab.planning.budget import checked, resident, resolve_budget
+from rematlab.planning.options import PlanOptions, request
 from rematlab.planning.planner import Planning, prepare
 from rematlab.planning.predicted import card_budget, room
 from rematlab.planning.verify import step_peak
@@ -55,7 +56,7 @@ from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.simulate import simulate
 from rematlab.plans.solver import solve
-from rematlab.preflight.targets import Target, resolve_target
+from rematlab.preflight.targets import resolve_target
 from rematlab.remat.strategies import apply
 
 MAX_BATCH = 1 << 20
@@ -65,16 +66,16 @@ class _Searcher:
     """The model, its batch factory and the budget; measurements are cached per batch."""
 
     def __init__(self, model: nn.Module, make: Callable[[int], Batch], start: int, limit: int,
-                 budget: str | int, step: Step, blocks: Any, ops: bool = False,
-                 target: Target | None = None) -> None:
+                 budget: str | int, step: Step, options: PlanOptions) -> None:
         self.model, self.make, self.start, self.limit = model, make, start, limit
-        self.step, self.blocks, self.ops = step, blocks, ops
-        self.target = target  # predicted for it, nothing measured (`rematlab.preflight`)
+        self.step, self.options, self.blocks = step, options, options.blocks
+        # predicted for a resolved target, nothing measured (`rematlab.preflight`)
+        self.target = options.target if options.predict else None
         self.device = next(tensors(make(1))).device
-        self.budget = (card_budget(budget, target)  # batches come later
+        self.budget = (card_budget(budget, self.target)  # batches come later
                        or resolve_budget(budget, self.device, resident(model)))
         # a predicted batch keeps the pre-flight margin free: it is not verified
-        self.room = room(self.budget.nbytes) if target else self.budget.nbytes
+        self.room = room(self.budget.nbytes) if self.target else self.budget.nbytes
         self.plannings: dict[int, Planning] = {}
         for b in (start, 2 * start):
             self.planning(b)
@@ -83,15 +84,11 @@ class _Searcher:
         self.chosen: dict[int, Plan] = {}
         self.evidence: Evidence | None = None
 
-    def _kw(self) -> dict:
-        predicted = {"predict": True, "target": self.target} if self.target else {}
-        return {"step": self.step, "blocks": self.blocks, "ops": self.ops, **predicted}
-
     def planning(self, batch: int) -> Planning:
         """The model profiled and solved at `batch` on the device, cached without its batch:
         batches are made when measured, so none is alive beside another's measurement."""
         if batch not in self.plannings:
-            planning = prepare(self.model, self.make(batch), **self._kw())
+            planning = prepare(self.model, self.make(batch), self.options, step=self.step)
             planning.batch = None
             self.plannings[batch] = planning
         return self.plannings[batch]
@@ -307,65 +304,79 @@ def batches_from(example: Batch | Callable[[int], Batch], device: torch.device |
     return (lambda size: resized(base, size)), max(2, first.shape[0])
 
 
-def max_batch(
-    model: nn.Module,
-    example: Batch | Callable[[int], Batch],
-    budget: str | int,
-    *,
-    cases: tuple[str, ...] = CASES,
-    optimizer: str | None = "momentum",
-    blocks: list[nn.Module] | str | list[str] | None = None,
-    loss_fn: LossFn | None = None,
-    device: str | torch.device | None = None,
-    start: int | None = None,
-    limit: int = MAX_BATCH,
-    warmup: int = 2,
-    repeats: int = 5,
-    ops: bool = False,
-    predict: bool = False,
-    target: str | Target | dict | None = None,
-    step: Step | None = None,
-) -> BatchSearch:
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """How `max_batch` searches, beside how each batch is planned (`PlanOptions`): which
+    `cases` ('none', 'optimal'), the batch the cost model is profiled at (`start`, and twice
+    it; default: the example's batch size, or 8 for a factory), the largest batch tried
+    (`limit`), and the timing of each result (`warmup`, `repeats`; 0 skips it)."""
+
+    cases: tuple[str, ...] = CASES
+    start: int | None = None
+    limit: int = MAX_BATCH
+    warmup: int = 2
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cases, str) or not isinstance(self.cases, (tuple, list)):
+            raise ConfigError(f"cases must be a list of {', '.join(CASES)}, got {self.cases!r}")
+        object.__setattr__(self, "cases", tuple(self.cases))
+        unknown = set(self.cases) - set(CASES)
+        if unknown or not self.cases:
+            raise ConfigError(f"unknown case(s) {sorted(unknown)}; choose from "
+                              f"{', '.join(CASES)}")
+        if not 1 <= self.limit <= MAX_BATCH:
+            raise ConfigError(f"limit must be between 1 and {MAX_BATCH}, got {self.limit}")
+        bounded("warmup", self.warmup, MAX_REPEATS, low=0)
+        bounded("repeats", self.repeats, MAX_REPEATS, low=0)
+
+
+SEARCH_NAMES = frozenset(f.name for f in fields(SearchOptions))
+
+
+def max_batch(model: nn.Module, example: Batch | Callable[[int], Batch], budget: str | int,
+              options: PlanOptions | None = None, *, search: SearchOptions | None = None,
+              step: Step | None = None, **keywords: Any) -> BatchSearch:
     """The largest batch whose training step fits `budget` (bytes, '8GiB' or 'auto'), for
-    each of `cases` ('none': the model as it is; 'optimal': the fastest plan within the budget
-    at that batch), with measured peak, step time and throughput (see the module docstring).
+    each of the search's cases ('none': the model as it is; 'optimal': the fastest plan
+    within the budget at that batch), with measured peak, step time and throughput (see the
+    module docstring).
 
     `example` is a batch of any form (its tensors are resized along their first dimension) or
-    a factory `size -> batch`; the cost model is profiled at `start` (default: the example's
-    batch size, or 8 for a factory) and twice it. The other keywords are `rematlab.plan`'s
-    (`ops`: op-level options, kept where both profiled batches offer them); `repeats=0`
-    skips the timing. With `predict`, nothing runs (`rematlab.preflight`): the batches are
-    the cost model's for `target`, interpolated between fake profiles at `start` and twice
-    it, and each step time is the target's roofline prediction."""
+    a factory `size -> batch`. `search` (`SearchOptions`) says how the batch is searched and
+    timed, `options` (`PlanOptions`) how each batch is planned (`ops`: op-level options, kept
+    where both profiled batches offer them), `step` the user's training step; the fields of
+    either options object are also keywords (`repeats` is the search's). With `predict`,
+    nothing runs (`rematlab.preflight`): the batches are the cost model's for `target`,
+    interpolated between fake profiles at `start` and twice it, and each step time is the
+    target's roofline prediction."""
     budget = checked(budget)
-    user_step = as_step(step, optimizer, loss_fn)
+    if search is not None and not isinstance(search, SearchOptions):
+        raise ConfigError(f"search must be a SearchOptions, got {type(search).__name__}")
+    searched = {k: keywords.pop(k) for k in list(keywords) if k in SEARCH_NAMES}
+    search = replace(search or SearchOptions(), **searched)
+    opts, user_step = request(options, step, keywords)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"max_batch() needs an nn.Module, got {type(model).__name__}")
-    unknown = set(cases) - set(CASES)
-    if unknown or not cases:
-        raise ConfigError(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
-    if not 1 <= limit <= MAX_BATCH:
-        raise ConfigError(f"limit must be between 1 and {MAX_BATCH}, got {limit}")
-    bounded("warmup", warmup, MAX_REPEATS, low=0)
-    bounded("repeats", repeats, MAX_REPEATS, low=0)
-    dev = torch.device(device) if device is not None else None
+    dev = torch.device(opts.device) if opts.device is not None else None
     if dev is None:
         dev = next((p.device for p in model.parameters()), None)
     # predicted batches stay what they are (meta tensors, shapes only): nothing is moved
-    make, first = batches_from(example, None if predict else dev)
-    start = first if start is None else start
-    if start < (1 if predict else 2):
-        raise ConfigError(f"start must be at least {1 if predict else 2} (profiled with twice "
-                          f"it), got {start}")
+    make, first = batches_from(example, None if opts.predict else dev)
+    start = first if search.start is None else search.start
+    if start < (1 if opts.predict else 2):
+        raise ConfigError(f"start must be at least {1 if opts.predict else 2} (profiled with "
+                          f"twice it), got {start}")
     t0 = time.perf_counter()
-    if target is not None and not predict:
-        raise ConfigError("a target is planned for without running (predict=True)")
-    tgt = resolve_target(target, dev.type if dev is not None else "cpu") if predict else None
-    searcher = _Searcher(model, make, min(start, limit), limit, budget, user_step, blocks,
-                         ops, tgt)
-    found = [searcher.predicted(case) if predict else searcher.find(case) for case in cases]
+    if opts.predict:
+        opts = replace(opts, target=resolve_target(opts.target,
+                                                   dev.type if dev is not None else "cpu"))
+    searcher = _Searcher(model, make, min(start, search.limit), search.limit, budget,
+                         user_step, opts)
+    found = [searcher.predicted(case) if opts.predict else searcher.find(case)
+             for case in search.cases]
     t1 = time.perf_counter()
-    if repeats and not predict:
-        found = searcher.timed(found, warmup, repeats)
+    if search.repeats and not opts.predict:
+        found = searcher.timed(found, search.warmup, search.repeats)
     return BatchSearch(searcher.budget, found, t1 - t0, time.perf_counter() - t1,
-                       searcher.evidence, tgt.name if tgt is not None else None)
+                       searcher.evidence, opts.target.name if opts.predict else None)

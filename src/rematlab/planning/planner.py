@@ -16,7 +16,7 @@ partitioner make a different trade-off than eager execution (see docs/design.md)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,15 +25,16 @@ from torch import nn
 from rematlab.core.batch import check_batch, tensors, to_device
 from rematlab.core.checks import one_line
 from rematlab.core.precision import as_trained
-from rematlab.core.recipe import Step, as_step
-from rematlab.core.steps import LossFn, is_oom, out_of_memory, runs_on
+from rematlab.core.recipe import Step
+from rematlab.core.steps import is_oom, out_of_memory, runs_on
 from rematlab.core.units import infeasible
 from rematlab.distributed.engine import RankEngine, RankPeak
 from rematlab.distributed.group import world_size
 from rematlab.exceptions import ConfigError, OutOfMemory
 from rematlab.planning import predicted as pred
 from rematlab.planning.budget import DeviceBudget, checked, derive
-from rematlab.planning.compiled import FRACTIONS, CompiledCandidates, choose_compiled
+from rematlab.planning.compiled import CompiledCandidates, choose_compiled
+from rematlab.planning.options import PlanOptions, request
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.reserve import CardMemory, card_memory
 from rematlab.planning.verify import measure_planned, planned_step, strategy_table
@@ -47,6 +48,7 @@ from rematlab.remat.block import compiling
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.compiled_budget import settings
 from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.structure import Structure, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
@@ -69,6 +71,7 @@ class Planning:
     batch: Any
     costs: ChainCosts
     solution: Solution
+    _: KW_ONLY  # how it was made, by name: no row of positional booleans
     verify: bool
     compile: bool
     step: Step  # the user's training step every cost and measurement is of
@@ -278,86 +281,79 @@ class Planning:
         return strategy_table(self.costs, budget, per_layer=self.structure.kind == "layers")
 
 
-def prepare(
-    model: nn.Module,
-    example_inputs: object,
-    *,
-    device: str | torch.device | None = None,
-    optimizer: str | None = "momentum",
-    blocks: list[nn.Module] | str | list[str] | None = None,
-    loss_fn: LossFn | None = None,
-    predict: bool = False,
-    target: str | Target | dict | None = None,
-    verify: bool = True,
-    compile: bool = False,
-    ops: bool = False,
-    step: Step | None = None,
-    fractions: tuple[float, ...] = FRACTIONS,
-) -> Planning:
-    """Profile and solve once (see `plan` for the arguments)."""
+def prepare(model: nn.Module, example_inputs: object, options: PlanOptions | None = None, *,
+            step: Step | None = None, **keywords: Any) -> Planning:
+    """Profile and solve once: `options` (`PlanOptions`) say how, `step` which training step
+    (see `plan`); the options' names as keywords change them (`prepare(m, b, ops=True)`)."""
     check_batch(example_inputs)
-    user_step = as_step(step, optimizer, loss_fn)
-    if compile and predict:
-        raise ConfigError("compiled costs must be measured: compile=True cannot be predicted")
-    if target is not None and not predict:
-        raise ConfigError("a target is planned for without running (predict=True); without "
-                          "it, plans are measured on the device the batch is on")
+    opts, user_step = request(options, step, keywords)
     model, user_step, source = adopt_sharded(model, user_step)  # fully_shard / DDP: read back
     model, example_inputs = as_trained(model, example_inputs, user_step.weights)  # "-true"
     if user_step.layout is not None:  # before any profiling: the ranks it is for
-        if compile:
+        if opts.compile:
             raise ConfigError("compiled plans under a parallel layout are not supported: "
                               "plan eager (compile=False)")
-        world_size(user_step.layout, predict)
+        world_size(user_step.layout, opts.predict)
     profiled = profiled_model(model, user_step)  # under a layout: in its param_dtype
-    st = structure(profiled, example_inputs, blocks)
+    st = structure(profiled, example_inputs, opts.blocks)
     # a predicted plan, or one rank of a model too large for one (built on the meta device,
     # or sharded already): fake-tensor costs; under a layout, each candidate run on the ranks
-    if predict or (user_step.layout is not None and on_meta(model)):
-        costs, tgt = pred.predicted_costs(profiled, example_inputs, st, device, user_step,
-                                          target, ops)
-        if user_step.layout is None:
-            return Planning(model, st, example_inputs, costs,
-                            solve(costs, layers=st.kind == "layers"), verify=False,
-                            compile=False, step=user_step, target=tgt)
-        if not predict and any(t.is_meta for t in tensors(example_inputs)):
-            raise ConfigError("a measured rank runs the batch: give real tensors (a batch of "
-                              "shapes only is for predict=True)")
-        tgt = tgt if predict else None
-        costs, engine = for_rank(model, profiled, example_inputs, st, user_step, costs, tgt,
-                                 source)
-        return Planning(model, st, example_inputs, costs,
-                        solve(costs, layers=st.kind == "layers"), verify=verify,
-                        compile=False, step=user_step, target=tgt, ranks=engine)
-    dev = torch.device(device) if device is not None else next(tensors(example_inputs)).device
+    if opts.predict or (user_step.layout is not None and on_meta(model)):
+        return _predicted(model, profiled, example_inputs, st, opts, user_step, source)
+    return _measured(model, profiled, example_inputs, st, opts, user_step, source)
+
+
+def _predicted(model: nn.Module, profiled: nn.Module, batch: object, st: Structure,
+               opts: PlanOptions, step: Step, source: Any) -> Planning:
+    """`prepare` from fake-tensor costs: a predicted plan, or one rank of a model too large
+    for one device, each candidate then run on the ranks."""
+    costs, tgt = pred.predicted_costs(profiled, batch, st, opts.device, step, opts.target,
+                                      opts.ops)
+    layers = st.kind == "layers"
+    if step.layout is None:
+        return Planning(model, st, batch, costs, solve(costs, layers=layers), verify=False,
+                        compile=False, step=step, target=tgt)
+    if not opts.predict and any(t.is_meta for t in tensors(batch)):
+        raise ConfigError("a measured rank runs the batch: give real tensors (a batch of "
+                          "shapes only is for predict=True)")
+    tgt = tgt if opts.predict else None
+    costs, engine = for_rank(model, profiled, batch, st, step, costs, tgt, source)
+    return Planning(model, st, batch, costs, solve(costs, layers=layers), verify=opts.verify,
+                    compile=False, step=step, target=tgt, ranks=engine)
+
+
+def _measured(model: nn.Module, profiled: nn.Module, example_inputs: object, st: Structure,
+              opts: PlanOptions, step: Step, source: Any) -> Planning:
+    """`prepare` from costs measured on the device: each block profiled, the plan verified
+    by measurement when chosen."""
+    dev = (torch.device(opts.device) if opts.device is not None
+           else next(tensors(example_inputs)).device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {dev} requested but CUDA/ROCm is not available")
     if dev.type == "meta":
         raise ConfigError("a model or batch on the meta device has no data: plan it with "
                           "predict=True (and a target)")
     batch = to_device(example_inputs, dev)
-    repeats = 1 if dev.type == "cpu" else 3
+    how = Profiling(step, repeats=opts.repeats_on(dev), compile=opts.compile, ops=opts.ops)
     if st.kind == "layers":  # its first forward (`capture`) checks the batch
         with compiling(), out_of_memory("the profile (every activation kept, one layer "
                                         "at a time)"):
-            costs = profile_layers(profiled, batch, st.blocks, step=user_step,
-                                   repeats=repeats, compile=compile, ops=ops)
+            costs = profile_layers(profiled, batch, st.blocks, how)
     else:
         with out_of_memory("the profile (every activation kept, one block at a time)"):
-            if user_step.fn is None:  # a step function is tried on it by `profile_chain`
+            if step.fn is None:  # a step function is tried on it by `profile_chain`
                 runs_on(profiled, profiled, batch, type(model).__name__)
-            costs = profile_chain(st.blocks, batch, device=dev, repeats=repeats,
-                                  compile=compile, ops=ops, step=user_step)
+            costs = profile_chain(st.blocks, batch, how, device=dev)
     engine = None
-    if user_step.layout is not None:
-        costs, engine = for_rank(model, profiled, batch, st, user_step, costs, None, source)
+    if step.layout is not None:
+        costs, engine = for_rank(model, profiled, batch, st, step, costs, None, source)
     elif dev.type == "cuda":  # the BLAS workspaces the measured step holds (`StepMemory`)
         costs = pred.with_resident(costs, blas_resident(device_blas_workspace(dev)))
     solution = solve(costs, layers=st.kind == "layers")
-    planning = Planning(model, st, batch, costs, solution, verify=verify, compile=compile,
-                        step=user_step, ranks=engine)
-    if compile:  # torch.compile's own budget as candidates, each measured (`compiled`)
-        planning.compiled = CompiledCandidates(planning, tuple(fractions))
+    planning = Planning(model, st, batch, costs, solution, verify=opts.verify,
+                        compile=opts.compile, step=step, ranks=engine)
+    if opts.compile:  # torch.compile's own budget as candidates, each measured (`compiled`)
+        planning.compiled = CompiledCandidates(planning, opts.fractions)
     return planning
 
 
@@ -376,9 +372,10 @@ def plan(
     how the user's loop runs it (`rematlab.core.recipe`: bf16/fp16 autocast with a
     GradScaler, micro-batches per optimizer step, clipping, any `torch.optim` optimizer,
     `zero_grad(set_to_none=...)`, their own `fn(model, batch) -> loss`), and every cost and
-    measured peak is then of that step. Keywords: `optimizer` (a name from
-    `core.optimizers.OPTIMIZERS`, or None) adds its state and step, rematlab's own step's
-    shorthand for `step=Step(optimizer=...)`; `blocks` names the layers of a model that runs
+    measured peak is then of that step. `options=PlanOptions(...)` (`planning.options`), or
+    its fields as keywords: `optimizer` (a name from `core.optimizers.OPTIMIZERS`, or None)
+    adds its state and step, rematlab's own step's shorthand for
+    `step=Step(optimizer=...)`; `blocks` names the layers of a model that runs
     its own loop (see `rematlab.remat.structure`); `device`; `loss_fn`; `predict` plans
     without running anything, from fake-tensor costs and the roofline of `target` (a name such as
     "h100-80gb", "cpu" for this machine, a profile: `rematlab.preflight.targets`), for a

@@ -21,6 +21,7 @@ from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.structure import Structure
 
 # A predicted plan keeps this share (per cent) of its simulated peak free: it is not verified,
@@ -51,9 +52,9 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
             else next(tensors(batch)).device.type)
     tgt = resolve_target(target, kind)
     if st.kind == "layers":
-        costs = profile_layers(model, batch, st.blocks, step=step, target=tgt, ops=ops)
+        costs = profile_layers(model, batch, st.blocks, Profiling(step, ops=ops, target=tgt))
     else:
-        costs = profile_chain(st.blocks, batch, target=tgt, ops=ops, step=step)
+        costs = profile_chain(st.blocks, batch, Profiling(step, ops=ops, target=tgt))
     return with_resident(costs, tgt.blas_resident), tgt
 
 

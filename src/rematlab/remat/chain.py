@@ -30,7 +30,7 @@ from rematlab.core.probes import (
     rounded,
 )
 from rematlab.core.recipe import Step
-from rematlab.core.steps import LossFn, loss_of, preserved, runs_on
+from rematlab.core.steps import loss_of, preserved, runs_on
 from rematlab.core.timer import watched
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import ChainCosts
@@ -38,44 +38,35 @@ from rematlab.preflight.fake import FakeSession, is_fake
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import COMPILED_FIELDS, BlockCost, compiling, profile_block
 from rematlab.remat.compiled_menu import block_menu
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.tracing import meta_copy
 
 
-def profile_chain(
-    blocks: list[nn.Module],
-    example_input: Batch,
-    device: torch.device | None = None,
-    optimizer: str | None = "momentum",
-    repeats: int = 3,
-    unit: int = 1,
-    compile: bool = False,
-    ops: bool = False,
-    target: Target | None = None,
-    loss_fn: LossFn | None = None,
-    step: Step | None = None,
-) -> ChainCosts:
-    """Per-block costs at the example input's batch size (see module docstring), for the
-    user's `step` (`rematlab.core.recipe`; else rematlab's own with `optimizer` and
-    `loss_fn`): blocks run forward in its autocast region, the optimizer phase is its; `unit`
-    rounds every allocation up to the allocator's block size (512 for CUDA predictions).
-    With `ops`, each block also gets its menu of op-level options (`rematlab.remat.ops`).
-    With a `target`, the blocks and the input are fake twins (`rematlab.preflight`): bytes
-    as a real run's, times the roofline's on the target; nothing is allocated or run.
+def profile_chain(blocks: list[nn.Module], example_input: Batch, how: Profiling | None = None,
+                  device: torch.device | None = None) -> ChainCosts:
+    """Per-block costs at the example input's batch size (see module docstring), for
+    `how.step` (`rematlab.core.recipe`): blocks run forward in its autocast region, the
+    optimizer phase is its; every allocation is rounded up to the allocator's block size
+    (512 for CUDA predictions). With `how.ops`, each block also gets its menu of op-level
+    options (`rematlab.remat.ops`). With `how.target`, the blocks and the input are fake twins
+    (`rematlab.preflight`): bytes as a real run's, times the roofline's on the target;
+    nothing is allocated or run. On the meta `device`, FLOPs stand for times.
     `example_input` is the chain's input tensor, or under the user's step function
     (`step.fn`) the batch the function takes, which it runs (`chain_input`,
     `step_fn_excess`)."""
+    how = how or Profiling()
+    step, target, unit = how.step, how.target, how.unit
     device = device or next(tensors(example_input)).device
-    step = step or Step(optimizer=optimizer, loss_fn=loss_fn)
     meta = device.type == "meta" and target is None  # a target prices meta batches as fakes
     predicted = meta or target is not None
-    if predicted and compile:
-        raise ConfigError("compiled costs must be measured: they cannot be predicted")
-    if ops and meta:
+    if predicted and how.compile:
+        raise ConfigError("compiled costs must be measured: compile cannot be combined with "
+                          "predict")
+    if how.ops and meta:
         raise ConfigError("op-level options are profiled: not on the meta device (use a "
                           "target)")
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
     run, batch = _runnable(blocks, example_input, device, session, meta)
-    unit = target.unit if target is not None else unit
     params_bytes = 0
     watch = (session.active() if session is not None else contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
@@ -93,8 +84,7 @@ def profile_chain(
             fwd = step.in_region(block, x_in.device)
             r = repeated.costs(block, [x_in], lambda fwd=fwd, x_in=x_in: fwd(x_in))
             if r is None:
-                r = _chain_block(block, x_in, fwd, repeats, unit, target, compile, ops,
-                                 timed=not predicted)
+                r = _chain_block(block, x_in, fwd, how, timed=not predicted)
                 repeated.remember(block, [x_in], r)
             rows.append(r)
             params_bytes += r.params
@@ -149,22 +139,23 @@ def _runnable(blocks: list[nn.Module], batch: Batch, device: torch.device,
     return [meta_copy(b) for b in blocks] if meta else blocks, to_device(batch, device)
 
 
-def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, repeats: int, unit: int,
-                 target: Target | None, compile: bool, ops: bool, timed: bool) -> BlockCost:
+def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, how: Profiling,
+                 timed: bool) -> BlockCost:
     """One block's profile in a chain: eager (`profile_block`; timed unless predicted), with
     what compiling it changes measured compiled (`block.COMPILED_FIELDS`), and its op-level
-    menu (`ops`)."""
+    menu (`how.ops`)."""
+    repeats, unit = how.repeats, how.unit
     with preserved(block):
         r = profile_block(block, x_in, repeats=repeats if timed else 0, unit=unit, run=fwd,
-                          target=target)
-    if compile:
+                          target=how.target)
+    if how.compile:
         with preserved(block), compiling():
             c = profile_block(block, x_in, repeats, unit, run=fwd, compile=True)
         r = replace(r, **{k: getattr(c, k) for k in COMPILED_FIELDS})
-    if ops:
-        with preserved(block), compiling() if compile else contextlib.nullcontext():
+    if how.ops:
+        with preserved(block), compiling() if how.compile else contextlib.nullcontext():
             r.options = block_menu(block, fwd, x_in, r, repeats=repeats, unit=unit,
-                                   target=target, compile=compile)
+                                   target=how.target, compile=how.compile)
     return r
 
 

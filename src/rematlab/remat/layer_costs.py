@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,52 +17,34 @@ from torch import nn
 from rematlab.core.batch import Batch, batch_bytes, tensors, to_device
 from rematlab.core.probes import rounded
 from rematlab.core.recipe import Step
-from rematlab.core.steps import LossFn, is_oom, preserved
+from rematlab.core.steps import is_oom, preserved
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
-from rematlab.preflight.targets import Target
 from rematlab.remat.block import BlockCost, profile_block
 from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
 from rematlab.remat.compiled_menu import block_menu
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import OPTION_REPEATS
 from rematlab.remat.outer import OuterCost, one_pass, outer_costs, output_tensor, step_time
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.shorten import shortened, stretched
 
 _log = logging.getLogger("rematlab")
 
 
-@dataclass(frozen=True)
-class Profiling:
-    """How a layer model is profiled: for which step (`rematlab.core.recipe.Step`), with how
-    many timed repeats (0: not timed), compiled or not, with op-level menus or not, and for
-    which pre-flight target (None: measured here)."""
-
-    step: Step
-    repeats: int = 1
-    compile: bool = False
-    ops: bool = False
-    target: Target | None = None
-
-    @property
-    def unit(self) -> int:
-        return self.target.unit if self.target is not None else 1
-
-
-def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
-                   loss_fn: LossFn | None = None, optimizer: str | None = "momentum",
-                   repeats: int = 1, compile: bool = False, ops: bool = False,
-                   target: Target | None = None, step: Step | None = None) -> ChainCosts:
+def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
+                   how: Profiling | None = None) -> ChainCosts:
     """Costs of the pseudo-block chain [before, layer 1..L, after] (see module docstring)
-    for the user's `step` (else rematlab's own, with `optimizer` and `loss_fn`), measured on
-    the batch's device; with `compile`, each layer's costs are those of the layer compiled
-    (what the model around it does is measured eager, and the plan's compiled step is
-    verified whole). With a `target`, the model (real or on the meta device) and the batch
-    (real or meta tensors) are profiled as fake twins (`rematlab.preflight`): bytes as a real
-    run's, times the roofline's on the target; nothing is allocated or run."""
-    how = Profiling(step or Step(optimizer=optimizer, loss_fn=loss_fn), repeats, compile, ops)
+    for `how.step`, measured on the batch's device; with `how.compile`, each layer's costs
+    are those of the layer compiled (what the model around it does is measured eager, and
+    the plan's compiled step is verified whole). With `how.target`, the model (real or on
+    the meta device) and the batch (real or meta tensors) are profiled as fake twins
+    (`rematlab.preflight`): bytes as a real run's, times the roofline's on the target;
+    nothing is allocated or run."""
+    how = how or Profiling()
+    target = how.target
     if target is None:
         return _profile_layers(model, batch, layers, how)
     session = FakeSession(cuda=target.kind == "cuda")
@@ -71,7 +53,7 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], *,
     with session.active():
         return _profile_layers(twin, session.batch(batch),
                                [twin.get_submodule(names[id(m)]) for m in layers],
-                               replace(how, repeats=0, compile=False, target=target))
+                               replace(how, repeats=0, compile=False))
 
 
 def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling

@@ -35,6 +35,7 @@ from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.ops import run_option
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 from rematlab.remat.structure import Structure, structure
 
@@ -250,7 +251,7 @@ def layer_plan(strat: Strategy | Plan, st: Structure, model: nn.Module, example:
     if strat.kind == "selective":
         if example is None:
             raise ConfigError("strategy 'selective' needs an example batch to profile layers")
-        costs = profile_layers(model, example, st.blocks, repeats=0)
+        costs = profile_layers(model, example, st.blocks, Profiling(repeats=0))
         return plans.selective_per_layer(costs, 1.0 if strat.arg is None else strat.arg)
     raise ConfigError(f"strategy {strat} needs segments of several blocks, which "
                       f"{type(model).__name__}'s own layer loop cannot run; use none, every:1, "

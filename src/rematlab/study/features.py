@@ -33,7 +33,9 @@ MIN_FIT = 10  # configurations: five folds of two
 @cache  # one per shape a dataset holds: a few hundred at the study's scale
 def _chain_costs(model: str, scale: str | None, shape: tuple[int, ...] | None, batch: int,
            dtype: str, optimizer: str, unit: int):
+    from rematlab.core.recipe import Step
     from rematlab.remat.chain import profile_chain
+    from rematlab.remat.profiling import Profiling
     from rematlab.remat.tracing import find_chain
 
     with torch.device("meta"):
@@ -41,8 +43,8 @@ def _chain_costs(model: str, scale: str | None, shape: tuple[int, ...] | None, b
         net = net.to(DTYPES[dtype])
         x = torch.empty(batch, *sample, dtype=DTYPES[dtype])
     blocks = find_chain(net).blocks
-    costs = profile_chain(blocks, x, device=torch.device("meta"), optimizer=optimizer,
-                          unit=unit)
+    costs = profile_chain(blocks, x, Profiling(Step(optimizer=optimizer), unit=unit),
+                          device=torch.device("meta"))
     kinds = {"conv": 0, "linear": 0, "pool": 0, "norm": 0}
     for m in net.modules():
         name = type(m).__name__.lower()

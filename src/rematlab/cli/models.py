@@ -1,0 +1,67 @@
+"""The model and batches a command plans for, from its flags (`plan`, `max-batch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rematlab.cli.app import _shape
+from rematlab.exceptions import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The flags that say which model and batches a command plans for: a zoo name or
+    factory, the input's scale, shape, dtype and vocabulary or an example file, the weights'
+    dtype and the LoRA rank."""
+
+    model: str
+    input: str | None
+    input_shape: str | None
+    input_dtype: str
+    vocab: int | None
+    example: str | None
+    dtype: str
+    lora: int | None
+
+
+def model_and_batches(source: ModelSource, device: str, predict: bool
+                       ) -> tuple[Any, Callable[[int], Any]]:
+    """The model (in `source.dtype`, with LoRA adapters of rank `source.lora`) and a factory
+    of its example batches by size, on `device`; when predicting, the model is left where
+    its factory built it (the meta device, for a model too large for this machine) and
+    batches are made of shapes only (meta tensors).
+    Integer inputs are token ids: a model that takes `labels` gets them (the ids), so that
+    its loss — the logits' upcast to fp32 included — is in the step."""
+    import inspect
+
+    import torch
+
+    from rematlab.core.batch import DTYPES, FLOAT_DTYPES, make_example
+    from rematlab.core.lora import add_lora
+    from rematlab.measurement import zoo
+    from rematlab.measurement.spec import available, parse_device
+
+    dtype, input_dtype = source.dtype, source.input_dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(FLOAT_DTYPES)}")
+    dev = torch.device("meta") if predict else available(parse_device(device))
+    net, shape, _ = zoo.resolve(source.model, source.input, _shape(source.input_shape))
+    net = net.to(FLOAT_DTYPES[dtype])
+    if source.lora is not None:
+        net = add_lora(net, source.lora)
+    if not predict:
+        net = net.to(dev)
+    tokens = (source.example is None and input_dtype in DTYPES
+              and not DTYPES[input_dtype].is_floating_point
+              and "labels" in inspect.signature(net.forward).parameters)
+
+    def batches(size: int) -> Any:
+        x = make_example(size, shape, input_dtype=input_dtype, vocab=source.vocab,
+                         example=source.example, device=None if predict else dev,
+                         shapes_only=predict)
+        return {"input_ids": x, "labels": x} if tokens else x
+
+    batches(2)  # bad input fails here, before any work
+    return net.train(), batches

@@ -1,0 +1,106 @@
+"""How a model is planned, in one object: `PlanOptions`, which `prepare`, `plan`,
+`max_batch`, `auto`, the trainers' callbacks and the CLI take, validated once, with one set
+of messages, when it is made.
+
+The training step (optimizer, loss, autocast, micro-batches, layout) is another concern,
+with its own object (`rematlab.core.recipe.Step`); what to profile, once the options are
+resolved against a device, is the profilers' (`rematlab.remat.profiling.Profiling`). The
+keywords rematlab has always taken (`prepare(model, batch, ops=True, optimizer="adamw")`)
+still work: `request` sorts them into the options and the step, and refuses any other with
+the list of those it knows, as torchtitan's job config refuses an unknown field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematlab.core.recipe import Step, as_step
+from rematlab.exceptions import ConfigError
+from rematlab.preflight.targets import Target
+
+FRACTIONS = (0.0, 0.5, 1.0)  # each costs a compile and a timing run: a few, 0 and 1 among them
+STEP_KEYWORDS = ("optimizer", "loss_fn")  # shorthand for step=Step(optimizer=..., loss_fn=...)
+MAX_REPEATS = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """How to plan one model (see `rematlab.plan` for each one's effect).
+
+    `device`: where measured costs are taken (default: the batch's); `blocks`: the layers of
+    a model that runs its own loop (`rematlab.remat.structure`); `predict`: plan without
+    running, from fake tensors and `target`'s roofline (a name such as "h100-80gb", "cpu",
+    a profile); `verify`: measure the chosen plan's step and tighten on a miss; `compile`:
+    plan for `torch.compile(apply(model, plan))`, with torch.compile's own budget at each of
+    `fractions` as candidates; `ops`: offer op-level options per block; `repeats`: timed
+    runs per profiled block (None: 1 on a CPU, 3 on a GPU)."""
+
+    device: str | torch.device | None = None
+    blocks: list[nn.Module] | str | list[str] | None = None
+    predict: bool = False
+    target: str | Target | dict | None = None
+    verify: bool = True
+    compile: bool = False
+    ops: bool = False
+    fractions: tuple[float, ...] = FRACTIONS
+    repeats: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("predict", "verify", "compile", "ops"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if self.compile and self.predict:
+            raise ConfigError("compiled costs must be measured: compile cannot be combined "
+                              "with predict")
+        if self.target is not None and not self.predict:
+            raise ConfigError("a target is planned for without running: it needs predict "
+                              "(predict=True, --predict); without it, plans are measured on "
+                              "the device the batch is on")
+        if self.device is not None and not isinstance(self.device, (str, torch.device)):
+            raise ConfigError(f"device must be a name or a torch.device, got {self.device!r}")
+        fractions = self.fractions
+        if not isinstance(fractions, (tuple, list)) or not fractions or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f <= 1.0
+                for f in fractions):
+            raise ConfigError("fractions must be a non-empty list of numbers in [0, 1], got "
+                              f"{fractions!r}")
+        object.__setattr__(self, "fractions", tuple(float(f) for f in fractions))
+        repeats = self.repeats
+        if repeats is not None and (not isinstance(repeats, int) or isinstance(repeats, bool)
+                                    or not 1 <= repeats <= MAX_REPEATS):
+            raise ConfigError(f"repeats must be a whole number in [1, {MAX_REPEATS}], got "
+                              f"{repeats!r}")
+
+    def repeats_on(self, device: torch.device) -> int:
+        """Timed runs per profiled block on `device`: one on a CPU (its steps are long), three
+        on a GPU, unless given."""
+        if self.repeats is not None:
+            return self.repeats
+        return 1 if device.type == "cpu" else 3
+
+
+NAMES = frozenset(f.name for f in dataclasses.fields(PlanOptions))
+
+
+def request(options: PlanOptions | None, step: Step | None, keywords: dict[str, Any]
+            ) -> tuple[PlanOptions, Step]:
+    """The options and the step of one call: `options` with the `keywords` that name
+    options changed, and `step` (or rematlab's own, from `optimizer=`/`loss_fn=`). Any other
+    keyword is refused with the names known."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise ConfigError(f"options must be a rematlab.PlanOptions, got "
+                          f"{type(options).__name__}")
+    unknown = sorted(set(keywords) - NAMES - set(STEP_KEYWORDS))
+    if unknown:
+        raise ConfigError(f"unknown keyword(s) {', '.join(unknown)}; planning takes "
+                          f"{', '.join(sorted(NAMES | set(STEP_KEYWORDS)))} and step")
+    changes = {k: v for k, v in keywords.items() if k in NAMES}
+    opts = replace(options or PlanOptions(), **changes) if changes else (options
+                                                                         or PlanOptions())
+    return opts, as_step(step, **{k: keywords[k] for k in STEP_KEYWORDS if k in keywords})

@@ -1,0 +1,30 @@
+"""What the profilers (`remat.chain.profile_chain`, `remat.layer_costs.profile_layers`) are
+asked to measure: one resolved object, made from the user's `planning.options.PlanOptions`
+and the device (`Profiling`), so that each profiler takes one argument instead of a copy of
+the planning keywords."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rematlab.core.recipe import Step
+from rematlab.preflight.targets import Target
+
+
+@dataclass(frozen=True)
+class Profiling:
+    """How a model is profiled: for which step (`rematlab.core.recipe.Step`; rematlab's own
+    by default), with how many timed repeats (0: not timed), compiled or not, with op-level
+    menus or not, and for which pre-flight target (None: measured here). `unit`: the
+    allocator's block size every byte count is rounded to (a target's own: 512 on CUDA)."""
+
+    step: Step = field(default_factory=Step)
+    repeats: int = 1
+    compile: bool = False
+    ops: bool = False
+    target: Target | None = None
+    unit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.target is not None:
+            object.__setattr__(self, "unit", self.target.unit)
