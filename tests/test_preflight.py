@@ -428,7 +428,7 @@ def test_the_cli_plans_a_meta_model_for_a_gpu_target():
 
 def test_the_cli_refuses_a_target_without_predict_and_an_unknown_target():
     base = ["plan", "--model", "mlp3", "--batch", "4", "--budget", "1GiB"]
-    for extra, message in ((["--target", "h100"], "it needs predict (predict=True, --predict)"),
+    for extra, message in ((["--target", "h100"], "it needs predict=True (--predict)"),
                            (["--predict", "--target", "tpu"], "unknown target")):
         res = run(base + extra)
         assert res.returncode == 2 and message in res.stderr, res.stderr

@@ -176,8 +176,15 @@ def plan_cmd(
         _print_json(summaries[0] if len(summaries) == 1 else
                     {"structure": planning.structure.describe(), "plans": summaries,
                      "curve": planning.curve()})
-        return
-    console.print(f"{type(net).__name__}: {planning.structure.describe()}")
+    else:
+        _print_plans(planning, summaries, budget, out)
+
+
+def _print_plans(planning: Any, summaries: list[dict], budget: str | None, out: Path | None
+                 ) -> None:
+    """`plan`'s report: the model's structure, what the plans were predicted for, the plan
+    (or one row per budget), each rank's figures, and how to use it."""
+    console.print(f"{type(planning.model).__name__}: {planning.structure.describe()}")
     if planning.target is not None:
         console.print(f"predicted for {planning.target.name}, nothing run "
                       f"({planning.target.source})")
@@ -188,7 +195,7 @@ def plan_cmd(
         _print_rank(summaries[0].get("per_rank"))
     if out is not None:
         console.print(f"plan written to {out}; use it with --strategy plan:{out}")
-    if compile:
+    if planning.compile:
         console.print("run it compiled: torch.compile(rematlab.apply(model, plan))")
 
 
@@ -323,7 +330,13 @@ def max_batch_cmd(
     found = max_batch(net, batches, budget, options, search=search, step=step)
     if as_json:
         _print_json(found.to_dict())
-        return
+    else:
+        _print_search(found, model)
+
+
+def _print_search(found: Any, model: str) -> None:
+    """`max-batch`'s report: the budget, the largest batch each way with its peaks, step
+    time and throughput, and the verdict."""
     console.print(f"budget {format_bytes(found.budget.nbytes)}: {found.budget.how}")
     if found.target is not None:
         console.print(f"predicted for {found.target}: fake-tensor costs and roofline step "

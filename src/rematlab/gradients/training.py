@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -145,41 +145,50 @@ def _prepared(m: Method, net: nn.Module, model_name: str, matched: peft.Matched 
     return apply_strategy(net, m.strategy, blocks=blocks, example_input=example)
 
 
-def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0.05,
-          steps: int = 150, batch: int = 64, eval_every: int = 15, finetune: bool = False,
-          eps: float = 1e-3, keep_weights: bool = False, matched: peft.Matched | None = None,
-          progress: Callable[[str], None] | None = None) -> Run:
-    """Train one model with one gradient estimator; SGD with momentum 0.9 for every method.
-    `matched` (for `bp+ckpt:matched`): rematlab's plan and micro-batch count for a budget."""
-    m = Method.parse(method) if isinstance(method, str) else method
-    torch.manual_seed(seed)
-    net, task = _setup(model_name, seed, finetune, progress)
-    batch_x, batch_y = task.x_train[:batch], task.y_train[:batch]
-    model = _prepared(m, net, model_name, matched, batch_x)
-    parts = matched.accumulate if matched is not None and m.strategy == "matched" else 1
-    params = [p for _, p in trainable(model)]
-    opt = make_optimizer("momentum", params, lr=lr)
-    run = Run(model_name, str(m), seed, lr, finetune or model_name == peft.MODEL)
-    gen = torch.Generator().manual_seed(seed)
+@dataclass(frozen=True)
+class Training:
+    """How one run trains: its seed, learning rate, steps, batch size, how often it is
+    evaluated, whether it fine-tunes a pretrained model, the finite-difference step of
+    zeroth-order estimates, and whether the final weights are kept."""
 
-    def loss_on(mod: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(_logits(mod(x)), y)
+    seed: int = 0
+    lr: float = 0.05
+    steps: int = 150
+    batch: int = 64
+    eval_every: int = 15
+    finetune: bool = False
+    eps: float = 1e-3
+    keep_weights: bool = False
 
-    def loss_fn(mod: nn.Module) -> torch.Tensor:
-        return loss_on(mod, batch_x, batch_y)
 
-    def step(mod: nn.Module, optimizer: torch.optim.Optimizer, index: int,
-             observe: Callable[[], None] | None = None) -> torch.Tensor:
-        """One gradient estimate (accumulated over `parts` micro-batches), `observe`d
-        before the update, and the update."""
-        if parts == 1:
-            loss = estimate(m, mod, loss_fn, seed=seed * 100_003 + index * 131, eps=eps)
+TRAINING = frozenset(f.name for f in fields(Training))
+
+
+class _Estimate:
+    """One training step of a method: its gradient estimate on the current batch
+    (accumulated over `parts` micro-batches for a matched plan), `observe`d before the
+    update, and the update."""
+
+    def __init__(self, method: Method, parts: int, how: Training, x: torch.Tensor,
+                 y: torch.Tensor) -> None:
+        self.method, self.parts, self.how = method, parts, how
+        self.x, self.y = x, y
+
+    def loss_fn(self, mod: nn.Module) -> torch.Tensor:
+        return _loss_on(mod, self.x, self.y)
+
+    def __call__(self, mod: nn.Module, optimizer: torch.optim.Optimizer, index: int,
+                 observe: Callable[[], None] | None = None) -> torch.Tensor:
+        if self.parts == 1:
+            loss = estimate(self.method, mod, self.loss_fn,
+                            seed=self.how.seed * 100_003 + index * 131, eps=self.how.eps)
         else:
             for p in optimizer.param_groups[0]["params"]:
                 p.grad = None
             total = torch.zeros(())
-            for xs, ys in zip(batch_x.chunk(parts), batch_y.chunk(parts), strict=True):
-                part = loss_on(mod, xs, ys) / parts
+            for xs, ys in zip(self.x.chunk(self.parts), self.y.chunk(self.parts),
+                              strict=True):
+                part = _loss_on(mod, xs, ys) / self.parts
                 part.backward()
                 total += part.detach()
             loss = total
@@ -188,34 +197,71 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
         optimizer.step()
         return loss
 
-    run.flops_per_step, run.peak_bytes = _step_costs(m, model, loss_fn, step, lr,
-                                                [batch_x, batch_y])
+
+def _loss_on(mod: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(_logits(mod(x)), y)
+
+
+def train(model_name: str, method: str | Method, how: Training | None = None, *,
+          matched: peft.Matched | None = None, progress: Callable[[str], None] | None = None,
+          **keywords: object) -> Run:
+    """Train one model with one gradient estimator; SGD with momentum 0.9 for every method.
+    `how` (`Training`, or its fields as keywords) says how long and at which rate;
+    `matched` (for `bp+ckpt:matched`): rematlab's plan and micro-batch count for a budget."""
+    unknown = sorted(set(keywords) - TRAINING)
+    if unknown:
+        raise ConfigError(f"unknown training setting(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(TRAINING))}")
+    how = replace(how or Training(), **keywords)
+    m = Method.parse(method) if isinstance(method, str) else method
+    torch.manual_seed(how.seed)
+    net, task = _setup(model_name, how.seed, how.finetune, progress)
+    batch_x, batch_y = task.x_train[:how.batch], task.y_train[:how.batch]
+    model = _prepared(m, net, model_name, matched, batch_x)
+    parts = matched.accumulate if matched is not None and m.strategy == "matched" else 1
+    step = _Estimate(m, parts, how, batch_x, batch_y)
+    run = Run(model_name, str(m), how.seed, how.lr, how.finetune or model_name == peft.MODEL)
+    run.flops_per_step, run.peak_bytes = _step_costs(m, model, step.loss_fn, step, how.lr,
+                                                     [batch_x, batch_y])
     run.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    _train_loop(run, model, task, step, how)
+    if how.keep_weights:
+        run.state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return run
+
+
+def _train_loop(run: Run, model: nn.Module, task: Task, step: _Estimate, how: Training
+                ) -> None:
+    """`how.steps` steps of `step` on random batches, evaluated every `how.eval_every`,
+    timed by the device's clock (a training run is one long measurement, so the guard's
+    evidence is the foreign load over all of it, `rematlab.core.guard.HostLoad`); a run
+    whose loss is not finite or grows tenfold is stopped as diverged."""
+    params = [p for _, p in trainable(model)]
+    opt = make_optimizer("momentum", params, lr=how.lr)
+    gen = torch.Generator().manual_seed(how.seed)
     elapsed, first_loss = 0.0, None
-    # the device's clock, as every timing; a training run is one long measurement, so the
-    # guard's evidence is the foreign load over all of it (`rematlab.core.guard.HostLoad`)
-    clock, aside, host = clock_for(batch_x.device), clock_for(batch_x.device), HostLoad()
+    clock, aside, host = clock_for(step.x.device), clock_for(step.x.device), HostLoad()
     host.start()
-    for index in range(steps + 1):
-        if index % eval_every == 0 or index == steps:
+    for index in range(how.steps + 1):
+        if index % how.eval_every == 0 or index == how.steps:
             run.steps.append(index)
             run.accuracy.append(_accuracy(model, task))
             run.seconds.append(elapsed)
             run.flops.append(index * run.flops_per_step)
-        if index == steps:
+        if index == how.steps:
             break
-        idx = torch.randint(0, len(task.x_train), (batch,), generator=gen)
-        batch_x, batch_y = task.x_train[idx], task.y_train[idx]
+        idx = torch.randint(0, len(task.x_train), (how.batch,), generator=gen)
+        step.x, step.y = task.x_train[idx], task.y_train[idx]
         untimed = 0.0
 
         def observe() -> None:  # the estimate against the true gradient, untimed
             nonlocal untimed
             aside.start()
-            run.cosine.append(_cosine(model, [p.grad for p in params], loss_fn))
+            run.cosine.append(_cosine(model, [p.grad for p in params], step.loss_fn))
             untimed += aside.stop()
 
         clock.start()
-        loss = step(model, opt, index, observe if index % eval_every == 0 else None)
+        loss = step(model, opt, index, observe if index % how.eval_every == 0 else None)
         elapsed += clock.stop() - untimed
         value = float(loss)
         first_loss = first_loss if first_loss is not None else value
@@ -224,9 +270,6 @@ def train(model_name: str, method: str | Method, *, seed: int = 0, lr: float = 0
             break
     run.foreign_load = host.stop()
     run.trusted = run.foreign_load is None or run.foreign_load <= LOAD
-    if keep_weights:
-        run.state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    return run
 
 
 _PRETRAINED: dict[tuple[str, int], dict] = {}

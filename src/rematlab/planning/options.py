@@ -22,6 +22,7 @@ from torch import nn
 from rematlab.core.recipe import Step, as_step
 from rematlab.exceptions import ConfigError
 from rematlab.preflight.targets import Target
+from rematlab.remat.profiling import COMPILED_NOT_PREDICTED
 
 FRACTIONS = (0.0, 0.5, 1.0)  # each costs a compile and a timing run: a few, 0 and 1 among them
 STEP_KEYWORDS = ("optimizer", "loss_fn")  # shorthand for step=Step(optimizer=..., loss_fn=...)
@@ -56,19 +57,18 @@ class PlanOptions:
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
         if self.compile and self.predict:
-            raise ConfigError("compiled costs must be measured: compile cannot be combined "
-                              "with predict")
+            raise ConfigError(COMPILED_NOT_PREDICTED)
         if self.target is not None and not self.predict:
-            raise ConfigError("a target is planned for without running: it needs predict "
-                              "(predict=True, --predict); without it, plans are measured on "
+            raise ConfigError("a target is planned for without running: it needs "
+                              "predict=True (--predict); without it, plans are measured on "
                               "the device the batch is on")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
             raise ConfigError(f"device must be a name or a torch.device, got {self.device!r}")
         fractions = self.fractions
-        if not isinstance(fractions, (tuple, list)) or not fractions or not all(
+        if not isinstance(fractions, (tuple, list)) or not all(
                 isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f <= 1.0
-                for f in fractions):
-            raise ConfigError("fractions must be a non-empty list of numbers in [0, 1], got "
+                for f in fractions):  # none: torch.compile's own budget is no candidate
+            raise ConfigError(f"fractions must be a list of numbers in [0, 1], got "
                               f"{fractions!r}")
         object.__setattr__(self, "fractions", tuple(float(f) for f in fractions))
         repeats = self.repeats

@@ -37,8 +37,8 @@ from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.fake import FakeSession, is_fake
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import COMPILED_FIELDS, BlockCost, compiling, profile_block
-from rematlab.remat.compiled_menu import block_menu
-from rematlab.remat.profiling import Profiling
+from rematlab.remat.compiled_menu import MenuBlock, block_menu
+from rematlab.remat.profiling import COMPILED_NOT_PREDICTED, Profiling
 from rematlab.remat.tracing import meta_copy
 
 
@@ -59,19 +59,11 @@ def profile_chain(blocks: list[nn.Module], example_input: Batch, how: Profiling 
     device = device or next(tensors(example_input)).device
     meta = device.type == "meta" and target is None  # a target prices meta batches as fakes
     predicted = meta or target is not None
-    if predicted and how.compile:
-        raise ConfigError("compiled costs must be measured: compile cannot be combined with "
-                          "predict")
-    if how.ops and meta:
-        raise ConfigError("op-level options are profiled: not on the meta device (use a "
-                          "target)")
+    _check(how, meta, predicted)
     session = FakeSession(cuda=target.kind == "cuda") if target is not None else None
     run, batch = _runnable(blocks, example_input, device, session, meta)
-    params_bytes = 0
     watch = (session.active() if session is not None else contextlib.nullcontext() if meta
              else watched("the blocks' forward and backward times"))
-    repeated = Repeats()
-    rows: list[BlockCost] = []
     with watch:
         x = first = chain_input(nn.Sequential(*run), batch, step,
                                 "the model (pre-flight)" if session is not None else None)
@@ -79,22 +71,14 @@ def profile_chain(blocks: list[nn.Module], example_input: Batch, how: Profiling 
         # (labels, targets), each storage once
         base_input = (batch_bytes((batch, x), unit) if step.fn is not None
                       else rounded(x.element_size() * x.numel(), unit))
-        for i, block in enumerate(run):
-            x_in = block_input(x, needs_grad=i > 0)
-            fwd = step.in_region(block, x_in.device)
-            r = repeated.costs(block, [x_in], lambda fwd=fwd, x_in=x_in: fwd(x_in))
-            if r is None:
-                r = _chain_block(block, x_in, fwd, how, timed=not predicted)
-                repeated.remember(block, [x_in], r)
-            rows.append(r)
-            params_bytes += r.params
-            x = r.out
+        rows = _blocks_costs(run, x, how, timed=not predicted)
+        x = rows[-1].out
         out_bytes = rounded(x.element_size() * x.numel(), unit)
         state, transient = optimizer_memory([p for b in run for p in b.parameters()],
                                             step, unit, cuda_target(target))
         peak, loss_bytes = loss_peak(x, first, step, unit)
         beyond = step_fn_excess(nn.Sequential(*run), batch, first, step, unit)
-    grads = sum(r.grad for r in rows)
+    grads, params_bytes = sum(r.grad for r in rows), sum(r.params for r in rows)
     cols = columns(rows, predicted=target is not None, autocast=step.autocast is not None)
     cols["x"].append(out_bytes)
     cols["keeps_output"][-1] = False  # the output is alive all step: counted in `base`
@@ -116,6 +100,34 @@ def profile_chain(blocks: list[nn.Module], example_input: Batch, how: Profiling 
         optimizer_peak=params_bytes + grads + state + transient + base_input + out_bytes
         + loss_bytes + beyond,
     )
+
+
+def _check(how: Profiling, meta: bool, predicted: bool) -> None:
+    """What a chain cannot be profiled for: compiled costs are measured; op-level options
+    are profiled on tensors with data or a target's fakes, not on the meta device."""
+    if predicted and how.compile:
+        raise ConfigError(COMPILED_NOT_PREDICTED)
+    if how.ops and meta:
+        raise ConfigError("op-level options are profiled: not on the meta device (use a "
+                          "target)")
+
+
+def _blocks_costs(run: list[nn.Module], x: torch.Tensor, how: Profiling, timed: bool
+                  ) -> list[BlockCost]:
+    """Each block's costs, in order, each on the output of the one before it (identical
+    blocks profiled once, `Repeats`)."""
+    repeated = Repeats()
+    rows: list[BlockCost] = []
+    for i, block in enumerate(run):
+        x_in = block_input(x, needs_grad=i > 0)
+        fwd = how.step.in_region(block, x_in.device)
+        r = repeated.costs(block, [x_in], lambda fwd=fwd, x_in=x_in: fwd(x_in))
+        if r is None:
+            r = _chain_block(block, x_in, fwd, how, timed)
+            repeated.remember(block, [x_in], r)
+        rows.append(r)
+        x = r.out
+    return rows
 
 
 def columns(rows: list[BlockCost], predicted: bool, autocast: bool) -> dict[str, list]:
@@ -154,8 +166,7 @@ def _chain_block(block: nn.Module, x_in: torch.Tensor, fwd: Callable, how: Profi
         r = replace(r, **{k: getattr(c, k) for k in COMPILED_FIELDS})
     if how.ops:
         with preserved(block), compiling() if how.compile else contextlib.nullcontext():
-            r.options = block_menu(block, fwd, x_in, r, repeats=repeats, unit=unit,
-                                   target=how.target, compile=how.compile)
+            r.options = block_menu(MenuBlock(block, fwd, x_in), r, how)
     return r
 
 

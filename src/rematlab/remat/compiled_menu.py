@@ -23,6 +23,7 @@ import difflib
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,7 +31,6 @@ from torch.utils._pytree import tree_leaves
 
 from rematlab.core.steps import is_oom, preserved
 from rematlab.plans.plan import Option, Selective
-from rematlab.preflight.targets import Target
 from rematlab.remat.block import BlockCost, compiled, profile_block
 from rematlab.remat.ops import (
     OPTION_REPEATS,
@@ -44,6 +44,7 @@ from rematlab.remat.ops import (
     written_in_place,
 )
 from rematlab.remat.policy import fingerprint, traced_ops
+from rematlab.remat.profiling import Profiling
 from rematlab.remat.recompute import RecomputeStats
 
 Run = Callable[[torch.Tensor], torch.Tensor]
@@ -111,25 +112,38 @@ def _matched(eager: list[str], traced: list[str]) -> dict[int, int]:
     return pairs
 
 
-def block_menu(module: nn.Module, run: Run, x_in: torch.Tensor, plain: BlockCost,
-               others: list[torch.Tensor] | None = None, repeats: int = 3, unit: int = 1,
-               target: Target | None = None, compile: bool = False, where: str = "block"
-               ) -> list[Option]:
-    """`module`'s op-level menu against `plain`, its `profile_block` row: eager
-    (`ops.block_options`; with a `target`, priced on it), or as torch.compile runs it."""
-    if not compile:
-        return block_options(module, run, x_in, plain, others, repeats, unit, target)
+@dataclass(frozen=True)
+class MenuBlock:
+    """A block whose menu is made: the module, how it runs on one input (`run(x)`: a layer
+    takes more arguments and may return a tuple), that input, the other tensors it takes
+    (which are not its saved bytes), and its name in warnings."""
+
+    module: nn.Module
+    run: Run
+    x_in: torch.Tensor
+    others: list[torch.Tensor] | None = None
+    where: str = "block"
+
+
+def block_menu(block: MenuBlock, plain: BlockCost, how: Profiling) -> list[Option]:
+    """`block`'s op-level menu against `plain`, its `profile_block` row: eager
+    (`ops.block_options`; with `how.target`, priced on it), or as torch.compile runs it."""
+    module, run, x_in, others = block.module, block.run, block.x_in, block.others
+    if not how.compile:
+        return block_options(module, run, x_in, plain, others, how.repeats, how.unit,
+                             how.target)
     with preserved(module):
-        eager = profile_ops(module, run, x_in, others, repeats)
-    return compiled_options(module, run, x_in, plain, eager, others, repeats, unit, where)
+        eager = profile_ops(module, run, x_in, others, how.repeats)
+    return compiled_options(block, plain, eager, how.repeats, how.unit)
 
 
-def compiled_options(module: nn.Module, run: Run, x_in: torch.Tensor, plain: BlockCost,
-                     eager: list[OpCost], others: list[torch.Tensor] | None = None,
-                     repeats: int = 3, unit: int = 1, where: str = "block") -> list[Option]:
-    """The menu of `module` compiled (see module docstring): each save set measured under
+def compiled_options(block: MenuBlock, plain: BlockCost, eager: list[OpCost],
+                     repeats: int = 3, unit: int = 1) -> list[Option]:
+    """The menu of `block` compiled (see module docstring): each save set measured under
     torch.compile against `plain`, the block's compiled `profile_block` row, from `eager`,
     its eager op profile."""
+    module, run, x_in, others = block.module, block.run, block.x_in, block.others
+    where = block.where
     ops = compiled_ops(module, run, x_in, eager)
     key = fingerprint([o.name for o in ops])
     menu = []

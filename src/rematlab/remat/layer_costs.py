@@ -24,7 +24,7 @@ from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
 from rematlab.remat.block import BlockCost, profile_block
 from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
-from rematlab.remat.compiled_menu import block_menu
+from rematlab.remat.compiled_menu import MenuBlock, block_menu
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
 from rematlab.remat.ops import OPTION_REPEATS
 from rematlab.remat.outer import OuterCost, one_pass, outer_costs, output_tensor, step_time
@@ -66,10 +66,6 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
                        or _run(model, batch, layers, how))
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer.step_time - sum(r.fwd_time + r.bwd_time for r in rows))
-    outside_range = tuple(max(0.0, outer.step_range[end] - sum(
-        r.fwd_range[end] + r.bwd_range[end] for r in rows))
-        for end in (0, 1)) if target is not None else None
-    live = outer.layer_live
     x = [0, *(r.x for r in rows), rounded(rows[-1].out.untyped_storage().nbytes(), unit),
          0]
     state, transient = optimizer_memory(list(model.parameters()), step, unit,
@@ -79,23 +75,7 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
     grads = sum(rounded(p.numel() * p.element_size(), unit)
                 for p in model.parameters() if p.requires_grad)
     inputs = batch_bytes(batch, unit)
-    ranges = {}
-    if target is not None:  # the same at each end of the predicted interval
-        ranges = {"fwd_range": [(0.0, 0.0), *(r.fwd_range for r in rows), (0.0, 0.0)],
-                  "bwd_range": [outside_range, *(r.bwd_range for r in rows),
-                                (0.0, 0.0)],
-                  # the outer pseudo-blocks are never checkpointed
-                  "checkpoint_time": [0.0, *(r.checkpoint_time for r in rows), 0.0],
-                  "checkpoint_range": [(0.0, 0.0), *(r.checkpoint_range for r in rows),
-                                       (0.0, 0.0)]}
-
-    # What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
-    # outputs): the live bytes each layer added in the real step, less what its profile
-    # explains. A checkpointed layer holds none of it (caches are not passed to it).
-    for i, r in enumerate(rows):
-        nxt = x[i + 2]
-        explained = r.saved + nxt - (0 if r.keeps_input or i == 0 else r.x)
-        r.saved += max(0, live[i + 1] - live[i] - explained)
+    _add_held(rows, x, outer.layer_live)
 
     def column(key: str, first: Any, last: Any) -> list:
         return [first, *(getattr(r, key) for r in rows), last]
@@ -121,8 +101,31 @@ def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how
         # the output and the loss are still alive in the user's loop
         optimizer_peak=params + grads + state + transient + inputs + outer.output
         + outer.loss,
-        **ranges,
+        **(_ranges(rows, outer) if target is not None else {}),
     )
+
+
+def _add_held(rows: list[BlockCost], x: list[int], live: list[int]) -> None:
+    """What a kept layer holds beyond its saved tensors (a key/value cache, hooks keeping
+    outputs), added to its saved bytes: the live bytes each layer added in the real step
+    (`live`), less what its profile explains. A checkpointed layer holds none of it (caches
+    are not passed to it)."""
+    for i, r in enumerate(rows):
+        explained = r.saved + x[i + 2] - (0 if r.keeps_input or i == 0 else r.x)
+        r.saved += max(0, live[i + 1] - live[i] - explained)
+
+
+def _ranges(rows: list[BlockCost], outer: OuterCost) -> dict[str, list]:
+    """A predicted layer chain's range columns: the layers' own, and the step's time outside
+    the layers at each end of the predicted interval (in the first pseudo-block's backward,
+    as its typical time); the outer pseudo-blocks are never checkpointed."""
+    outside = tuple(max(0.0, outer.step_range[end] - sum(
+        r.fwd_range[end] + r.bwd_range[end] for r in rows)) for end in (0, 1))
+    return {"fwd_range": [(0.0, 0.0), *(r.fwd_range for r in rows), (0.0, 0.0)],
+            "bwd_range": [outside, *(r.bwd_range for r in rows), (0.0, 0.0)],
+            "checkpoint_time": [0.0, *(r.checkpoint_time for r in rows), 0.0],
+            "checkpoint_range": [(0.0, 0.0), *(r.checkpoint_range for r in rows),
+                                 (0.0, 0.0)]}
 
 
 def _run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
@@ -233,9 +236,7 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
                                 compile=how.compile, target=how.target, unit=how.unit)
         if how.ops:
             with preserved(layer):
-                row.options = block_menu(layer, run, x_in, row, others=lc.others(),
-                                            repeats=how.repeats, target=how.target,
-                                            unit=how.unit, compile=how.compile,
-                                            where=type(layer).__name__)
+                row.options = block_menu(
+                    MenuBlock(layer, run, x_in, lc.others(), type(layer).__name__), row, how)
         repeated.remember(layer, inputs, row)
     return replace(row)

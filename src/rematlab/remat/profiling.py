@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from rematlab.core.recipe import Step
 from rematlab.preflight.targets import Target
 
+# refused wherever it is asked (`planning.options.PlanOptions`, the profilers), in these words
+COMPILED_NOT_PREDICTED = ("compiled costs must be measured: compile=True (--compile) cannot "
+                          "be combined with predict=True (--predict)")
+
 
 @dataclass(frozen=True)
 class Profiling:

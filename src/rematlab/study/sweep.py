@@ -244,76 +244,47 @@ def sweep(
     db = Path(db)
     store = Store(db)
     try:
-        result = SweepResult(db=db, total=len(specs), skipped=0)
+        run = _SweepRun(grid, specs, store, SweepResult(db=db, total=len(specs), skipped=0),
+                        progress)
+        run.go(grid_label or grid.name, backend, ray_address, remeasure)
+    finally:
+        store.close()
+    return run.result
+
+
+class _SweepRun:
+    """One sweep's bookkeeping: each configuration's rows written as it ends, the
+    calibration references and the guard's waiting carried from one to the next, progress
+    reported."""
+
+    def __init__(self, grid: Grid, specs: list[Spec], store: Store, result: SweepResult,
+                 progress: ProgressFn | None) -> None:
+        self.grid, self.specs, self.store, self.result = grid, specs, store, result
+        self.progress = progress
         result.stale = store.mark_stale_sweeps()
         done, failed = store.done(), store.failed()
-        references = store.calibration_references(socket.gethostname())
-        todo = [s for s in specs if config_id(s.to_dict()) not in done]
-        result.skipped = len(specs) - len(todo)
-        result.retried = sum(config_id(s.to_dict()) in failed for s in todo)
-        sweep_id = uuid.uuid4().hex[:12]
-        store.start_sweep(sweep_id, grid_label or grid.name, backend, len(todo))
+        self.references = store.calibration_references(socket.gethostname())
+        self.todo = [s for s in specs if config_id(s.to_dict()) not in done]
+        result.skipped = len(specs) - len(self.todo)
+        result.retried = sum(config_id(s.to_dict()) in failed for s in self.todo)
+        self.sweep_id = uuid.uuid4().hex[:12]
+
+    def go(self, label: str, backend: str, ray_address: str | None, remeasure: bool) -> None:
+        """Every configuration to do, then the untrusted once more; Ctrl-C and SIGTERM stop
+        cleanly even where a shell started it with SIGINT ignored (background jobs, batch
+        schedulers), and the sweep's record is closed whatever happens."""
+        result, grid = self.result, self.grid
+        self.store.start_sweep(self.sweep_id, label, backend, len(self.todo))
         start = time.perf_counter()
-
-        def record(spec: Spec, out: dict) -> None:
-            store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
-                               out["rows"], out["measured_s"])
-            outcome = out["rows"][0]["outcome"]
-            note_reference(spec, out)
-            note_wait(out)
-            result.outcomes[outcome] += 1
-            result.measured_s += out["measured_s"]
-            if progress:
-                row = out["rows"][0]
-                busy = outcome == "ok" and row.get("trusted") is False
-                progress(spec, f"untrusted ({row.get('guard_reason') or 'busy machine'})"
-                         if busy else outcome, result.skipped + len(result), result.total)
-
-        def record_again(spec: Spec, out: dict) -> None:
-            """A second attempt replaces the first only when the guard trusted it."""
-            result.remeasured += 1
-            result.measured_s += out["measured_s"]
-            note_reference(spec, out)
-            note_wait(out)
-            trusted = out["rows"][0].get("trusted") is True
-            if trusted:
-                store.write_config(config_id(spec.to_dict()), sweep_id, spec.to_dict(),
-                                   out["rows"], out["measured_s"])
-                result.settled += 1
-            if progress:
-                progress(spec, "re-measured, trusted" if trusted else "still untrusted",
-                         result.total, result.total)
-
-        def note_reference(spec: Spec, out: dict) -> None:
-            first = out["rows"][0]
-            if first.get("calibration_reference_s"):
-                key = (spec.device, int(first["threads"]))
-                references[key] = min(references.get(key, math.inf),
-                                      first["calibration_reference_s"])
-
-        def note_wait(out: dict) -> None:
-            result.waited_s += out["rows"][0].get("waited_s") or 0.0
-            result.wait_spent = result.waited_s >= grid.max_wait_total_s
-
-        def wait_left() -> float:
-            """What the next configuration may wait: its own bound, within the sweep's."""
-            return max(0.0, min(grid.max_wait_s, grid.max_wait_total_s - result.waited_s))
-
-        def untrusted() -> list[Spec]:
-            ids = store.untrusted()
-            return [s for s in specs if config_id(s.to_dict()) in ids]
-
-        # Ctrl-C and SIGTERM stop the sweep cleanly even where a shell started it with
-        # SIGINT ignored (background jobs, batch schedulers).
         previous = {sig: signal.signal(sig, _raise_interrupt)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         status = "failed"
         try:
-            run_all(todo, grid.timeout, record, 0.0, references, backend, ray_address,
-                    wait_left)
+            run_all(self.todo, grid.timeout, self.record, 0.0, self.references, backend,
+                    ray_address, self.wait_left)
             if remeasure and not result.wait_spent:
-                run_all(untrusted(), grid.timeout, record_again, SETTLE_S, references,
-                        backend, ray_address, wait_left)
+                run_all(self.untrusted(), grid.timeout, self.record_again, SETTLE_S,
+                        self.references, backend, ray_address, self.wait_left)
             status = "complete"
         except KeyboardInterrupt:
             result.interrupted = True
@@ -322,12 +293,58 @@ def sweep(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             result.wall_s = time.perf_counter() - start
-            store.finish_sweep(sweep_id, result.wall_s, result.measured_s, status,
-                               result.waited_s)
-            result.untrusted = len(untrusted())
-    finally:
-        store.close()
-    return result
+            self.store.finish_sweep(self.sweep_id, result.wall_s, result.measured_s, status,
+                                    result.waited_s)
+            result.untrusted = len(self.untrusted())
+
+    def record(self, spec: Spec, out: dict) -> None:
+        result = self.result
+        self.store.write_config(config_id(spec.to_dict()), self.sweep_id, spec.to_dict(),
+                                out["rows"], out["measured_s"])
+        outcome = out["rows"][0]["outcome"]
+        self._note(spec, out)
+        result.outcomes[outcome] += 1
+        result.measured_s += out["measured_s"]
+        if self.progress:
+            row = out["rows"][0]
+            busy = outcome == "ok" and row.get("trusted") is False
+            self.progress(spec, f"untrusted ({row.get('guard_reason') or 'busy machine'})"
+                          if busy else outcome, result.skipped + len(result), result.total)
+
+    def record_again(self, spec: Spec, out: dict) -> None:
+        """A second attempt replaces the first only when the guard trusted it."""
+        result = self.result
+        result.remeasured += 1
+        result.measured_s += out["measured_s"]
+        self._note(spec, out)
+        trusted = out["rows"][0].get("trusted") is True
+        if trusted:
+            self.store.write_config(config_id(spec.to_dict()), self.sweep_id, spec.to_dict(),
+                                    out["rows"], out["measured_s"])
+            result.settled += 1
+        if self.progress:
+            self.progress(spec, "re-measured, trusted" if trusted else "still untrusted",
+                          result.total, result.total)
+
+    def _note(self, spec: Spec, out: dict) -> None:
+        """The configuration's calibration reference (the fastest seen per device and
+        threads) and the time it waited for quiet, carried to the next."""
+        first = out["rows"][0]
+        if first.get("calibration_reference_s"):
+            key = (spec.device, int(first["threads"]))
+            self.references[key] = min(self.references.get(key, math.inf),
+                                       first["calibration_reference_s"])
+        self.result.waited_s += first.get("waited_s") or 0.0
+        self.result.wait_spent = self.result.waited_s >= self.grid.max_wait_total_s
+
+    def wait_left(self) -> float:
+        """What the next configuration may wait: its own bound, within the sweep's."""
+        return max(0.0, min(self.grid.max_wait_s,
+                            self.grid.max_wait_total_s - self.result.waited_s))
+
+    def untrusted(self) -> list[Spec]:
+        ids = self.store.untrusted()
+        return [s for s in self.specs if config_id(s.to_dict()) in ids]
 
 
 def run_all(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], None],
