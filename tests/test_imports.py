@@ -1,6 +1,7 @@
 """The package's layers (issues 14 and 26): each subpackage imports only the ones below it, no
 module imports the facade, there is no import cycle, `plans` is pure (no torch), and no
-module is longer than a newcomer can read in one go."""
+module is longer than a newcomer can read in one go; no function body longer than a screen, no
+signature over eight parameters outside the CLI's flags (issue 52)."""
 
 import ast
 from pathlib import Path
@@ -15,6 +16,8 @@ LAYERS = ("exceptions", "version", "core", "plans", "preflight", "remat", "measu
           "distributed", "planning", "integrations", "gradients", "study", "cli", "__init__",
           "__main__")
 MAX_LINES = 400
+MAX_BODY = 60  # lines of a function's body (issue 52): one screen
+MAX_PARAMS = 8  # a function's parameters; the CLI's commands list their flags instead
 
 
 def _name(path: Path) -> str:
@@ -115,6 +118,34 @@ def test_no_module_is_longer_than_the_limit():
     long = sorted(f"{m}: {n}" for m, p in MODULES.items()
                   if (n := len(p.read_text().splitlines())) > MAX_LINES)
     assert long == []
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef]]:
+    return [(m, node) for m, p in MODULES.items() for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _is_command(node: ast.FunctionDef) -> bool:
+    """A typer command: its parameters are the command line's flags."""
+    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+               and d.func.attr == "command" for d in node.decorator_list)
+
+
+def test_no_function_body_is_longer_than_a_screen():
+    long = sorted(f"{m}.{f.name}: {n}" for m, f in _functions()
+                  if (n := f.end_lineno - f.body[0].lineno + 1) > MAX_BODY)
+    assert long == []
+
+
+def test_no_signature_takes_more_than_eight_parameters_outside_the_cli_flags():
+    def count(f: ast.FunctionDef) -> int:
+        a = f.args
+        named = [x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+        return len(named) + (a.vararg is not None) + (a.kwarg is not None)
+
+    wide = sorted(f"{m}.{f.name}: {n}" for m, f in _functions()
+                  if not _is_command(f) and (n := count(f)) > MAX_PARAMS)
+    assert wide == []
 
 
 def test_every_subpackage_is_a_package_a_wheel_ships():

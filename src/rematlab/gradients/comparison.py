@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from rematlab.core.spread import bootstrap
 from rematlab.gradients import peft
 from rematlab.gradients.estimators import Method
 from rematlab.gradients.tasks import build_model
-from rematlab.gradients.training import Run, train
+from rematlab.gradients.training import Run, Training, train, training_of
 from rematlab.remat.strategies import parse
 
 
@@ -44,21 +44,24 @@ MAX_STEPS = 1_000_000  # training steps per run (and samples per step)
 MAX_DIRECTIONS = 4096  # random directions per step for FmAD:K and ZO:K
 
 
-def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int = 150,
-            batch: int = 64, eval_every: int | None = None, finetune: bool = False,
-            strategy: str = "sqrt", progress: Callable[[str], None] | None = None
-            ) -> Comparison:
+def compare(models: list[str], budgets: list[int], seeds: int = 3, *,
+            how: Training | None = None, strategy: str = "sqrt",
+            progress: Callable[[str], None] | None = None, **keywords: object) -> Comparison:
     """Every method on every model. The learning rate of BP, FmAD:K and ZO:K is chosen on
     seed 0 from the same grid per family, then seeds 1.. run at that rate; BP with
-    checkpointing computes BP's gradients, so it runs at BP's rate.
+    checkpointing computes BP's gradients, so it runs at BP's rate. `how` (or its fields as
+    keywords: `steps`, `batch`, `eval_every`, `finetune`) says how each run trains; by
+    default it is evaluated a hundred times.
 
     For `bert-topics` (the paper's regime, `rematlab.gradients.peft`) BP+checkpointing runs twice:
     transformers' layer checkpointing (`bp+ckpt:layers`, the paper's baseline) and
     `bp+ckpt:matched`, rematlab's plan for a budget equal to the measured step peak of the
     best ZO run (the paper's "comparable memory", exact). Other models use `strategy`."""
+    how = training_of(how, keywords, Training(eval_every=0))  # 0 or None: every 1 % of it
+    how = replace(how, eval_every=how.eval_every or max(1, how.steps // 100))
     bounded("seeds", seeds, MAX_SEEDS)
-    bounded("steps", steps, MAX_STEPS)
-    bounded("batch", batch, MAX_STEPS)
+    bounded("steps", how.steps, MAX_STEPS)
+    bounded("batch", how.batch, MAX_STEPS)
     for k in budgets:
         bounded("directions per step (budgets)", k, MAX_DIRECTIONS)
     strat = parse(strategy)
@@ -67,62 +70,78 @@ def compare(models: list[str], budgets: list[int], seeds: int = 3, *, steps: int
             net, _ = build_model(model)
             if strat.kind == "plan":
                 strat.build(len(net))
-    eval_every = eval_every or max(1, steps // 100)
+    runner = _Runner(how, seeds, progress)
     runs: list[Run] = []
-    best_lr: dict[str, float] = {}
-    matched_budget: dict[str, dict] = {}
-
-    def run_method(model: str, m: Method, lrs: list[float] | None,
-                   matched: peft.Matched | None = None) -> list[Run]:
-        kw = {"steps": steps, "batch": batch, "eval_every": eval_every,
-              "finetune": finetune, "matched": matched, "progress": progress}
-        if lrs is None:  # BP's rate
-            lr = best_lr[f"{model}/bp"]
-            first = None
-        else:
-            trials = []
-            for lr in lrs:
-                if progress:
-                    progress(f"{model} {m} lr={lr} (learning-rate search)")
-                trials.append(train(model, m, seed=0, lr=lr, **kw))
-            first = max(trials, key=lambda r: (not r.diverged, r.final_accuracy))
-            lr = first.lr
-        best_lr[f"{model}/{m}"] = lr
-        done = [] if first is None else [first]
-        for seed in range(0 if first is None else 1, seeds):
-            if progress:
-                progress(f"{model} {m} seed {seed}")
-            done.append(train(model, m, seed=seed, lr=lr, **kw))
-        return done
-
     for model in models:
         regime = model == peft.MODEL
         grid = PEFT_LRS if regime else LRS
-        runs += run_method(model, Method("bp"), grid["bp"])
-        runs += run_method(model, Method("bp+ckpt", strategy="layers" if regime else strategy),
-                           None)
+        runs += runner.method(model, Method("bp"), grid["bp"])
+        runs += runner.method(model, Method("bp+ckpt", strategy="layers" if regime
+                                            else strategy), None)
         rivals: list[Run] = []
         for kind in ("fmad", "zo"):
             for k in budgets:
-                got = run_method(model, Method(kind, k=k), grid[kind])
-                rivals += got
+                rivals += runner.method(model, Method(kind, k=k), grid[kind])
         runs += rivals
         if regime:
-            zo = [r for r in rivals if r.method.startswith("zo") and r.seed == 0]
-            best = max(zo, key=lambda r: (not r.diverged, r.final_accuracy))
-            net, task = peft.finetune_model(0, progress)
-            fit = peft.matched(net, task.x_train[:batch], task.y_train[:batch],
-                               best.peak_bytes)
-            matched_budget[model] = {"matches": best.method, "budget": best.peak_bytes,
-                                     "plan": fit.plan.describe(),
-                                     "micro_batches": fit.accumulate,
-                                     "plan_measured_peak": fit.plan.measured_peak}
-            if progress:
-                progress(f"{model}: matched memory {best.peak_bytes} bytes ({best.method}): "
-                         f"plan {fit.plan.describe()} over {fit.accumulate} micro-batches")
-            runs += run_method(model, Method("bp+ckpt", strategy="matched"), None, fit)
+            runs += runner.matched(model, rivals)
     table = summarize(runs)
-    return Comparison(runs, best_lr, table, verdict(table, runs), matched_budget)
+    return Comparison(runs, runner.best_lr, table, verdict(table, runs), runner.budgets)
+
+
+class _Runner:
+    """Runs each method's seeds, keeping each family's chosen learning rate and, in the
+    paper's regime, the budget BP+checkpointing was matched to."""
+
+    def __init__(self, how: Training, seeds: int, progress: Callable[[str], None] | None
+                 ) -> None:
+        self.how, self.seeds, self.progress = how, seeds, progress
+        self.best_lr: dict[str, float] = {}
+        self.budgets: dict[str, dict] = {}
+
+    def _say(self, text: str) -> None:
+        if self.progress:
+            self.progress(text)
+
+    def method(self, model: str, m: Method, lrs: list[float] | None,
+               matched: peft.Matched | None = None) -> list[Run]:
+        """`m`'s runs: the learning rate searched on seed 0 over `lrs` (None: BP's), then
+        the other seeds at it."""
+        def run(seed: int, lr: float) -> Run:
+            return train(model, m, replace(self.how, seed=seed, lr=lr), matched=matched,
+                         progress=self.progress)
+
+        first = None
+        if lrs is None:  # BP's rate
+            lr = self.best_lr[f"{model}/bp"]
+        else:
+            trials = []
+            for lr in lrs:
+                self._say(f"{model} {m} lr={lr} (learning-rate search)")
+                trials.append(run(0, lr))
+            first = max(trials, key=lambda r: (not r.diverged, r.final_accuracy))
+            lr = first.lr
+        self.best_lr[f"{model}/{m}"] = lr
+        done = [] if first is None else [first]
+        for seed in range(0 if first is None else 1, self.seeds):
+            self._say(f"{model} {m} seed {seed}")
+            done.append(run(seed, lr))
+        return done
+
+    def matched(self, model: str, rivals: list[Run]) -> list[Run]:
+        """`bp+ckpt:matched`: rematlab's plan for the measured step peak of the best ZO run
+        on seed 0, over as many micro-batches as it needs."""
+        zo = [r for r in rivals if r.method.startswith("zo") and r.seed == 0]
+        best = max(zo, key=lambda r: (not r.diverged, r.final_accuracy))
+        net, task = peft.finetune_model(0, self.progress)
+        batch = self.how.batch
+        fit = peft.matched(net, task.x_train[:batch], task.y_train[:batch], best.peak_bytes)
+        self.budgets[model] = {"matches": best.method, "budget": best.peak_bytes,
+                               "plan": fit.plan.describe(), "micro_batches": fit.accumulate,
+                               "plan_measured_peak": fit.plan.measured_peak}
+        self._say(f"{model}: matched memory {best.peak_bytes} bytes ({best.method}): plan "
+                  f"{fit.plan.describe()} over {fit.accumulate} micro-batches")
+        return self.method(model, Method("bp+ckpt", strategy="matched"), None, fit)
 
 
 def _interval(values: list[float], bounds: tuple[float, float] = (-1.0, 1.0)

@@ -164,6 +164,17 @@ class Training:
 TRAINING = frozenset(f.name for f in fields(Training))
 
 
+def training_of(how: Training | None, keywords: dict[str, object],
+                default: Training | None = None) -> Training:
+    """`how` (else `default`, else `Training()`) with the `keywords` that name its fields
+    changed; any other keyword is refused with the names known."""
+    unknown = sorted(set(keywords) - TRAINING)
+    if unknown:
+        raise ConfigError(f"unknown training setting(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(TRAINING))}")
+    return replace(how or default or Training(), **keywords)
+
+
 class _Estimate:
     """One training step of a method: its gradient estimate on the current batch
     (accumulated over `parts` micro-batches for a matched plan), `observe`d before the
@@ -208,11 +219,7 @@ def train(model_name: str, method: str | Method, how: Training | None = None, *,
     """Train one model with one gradient estimator; SGD with momentum 0.9 for every method.
     `how` (`Training`, or its fields as keywords) says how long and at which rate;
     `matched` (for `bp+ckpt:matched`): rematlab's plan and micro-batch count for a budget."""
-    unknown = sorted(set(keywords) - TRAINING)
-    if unknown:
-        raise ConfigError(f"unknown training setting(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(TRAINING))}")
-    how = replace(how or Training(), **keywords)
+    how = training_of(how, keywords)
     m = Method.parse(method) if isinstance(method, str) else method
     torch.manual_seed(how.seed)
     net, task = _setup(model_name, how.seed, how.finetune, progress)

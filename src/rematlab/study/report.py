@@ -114,30 +114,8 @@ def _methods(res: StudyResults) -> dict:
 
 def context(res: StudyResults) -> dict:
     """Everything the templates need, figures included (base64 PNG)."""
-    ours = {}
-    if not res.evaluation.empty:
-        ev = res.evaluation
-        for target in ("time", "memory"):
-            best = res.predictor_models.get(target)
-            rows = ev[(ev["target"] == target) & (ev["protocol"] == "random 80/20")]
-            if best is not None:
-                rows = rows[rows["model"] == best]
-            if len(rows):
-                ours[target] = float(rows["r2"].max())
-    figures = {"pareto": pareto_figure(res.summary, res.plans)}
-    ratios = ratio_figure(res.summary)
-    if ratios is not None:
-        figures["ratios"] = ratios
-    planner = planner_figure(res.plans)
-    if planner is not None:
-        figures["planner"] = planner
-    if not res.batches.empty:
-        figures["batches"] = batch_figure(res.batches)
-    if not res.predictions.empty:
-        figures["scatter"] = scatter_figure(res.predictions)
-    grad_figs = gradient_figures(res.gradients) if res.gradients else []
-    if grad_figs:
-        figures["accuracy_vs_flops"], figures["accuracy_vs_time"] = grad_figs
+    ours = _our_r2(res)
+    figures = _figures(res)
     counts = res.summary["outcome"].value_counts().to_dict() if len(res.summary) else {}
     return {
         "grid": res.grid,
@@ -174,6 +152,41 @@ def context(res: StudyResults) -> dict:
         "limitations": limitations(res),
         "stats_notes": res.stats.get("notes", []),
     }
+
+
+def _our_r2(res: StudyResults) -> dict[str, float]:
+    """The chosen predictor's best R² per target on the random 80/20 split, the study's
+    protocol."""
+    ours = {}
+    if not res.evaluation.empty:
+        ev = res.evaluation
+        for target in ("time", "memory"):
+            best = res.predictor_models.get(target)
+            rows = ev[(ev["target"] == target) & (ev["protocol"] == "random 80/20")]
+            if best is not None:
+                rows = rows[rows["model"] == best]
+            if len(rows):
+                ours[target] = float(rows["r2"].max())
+    return ours
+
+
+def _figures(res: StudyResults) -> dict[str, str]:
+    """The report's figures, each only where its data exists."""
+    figures = {"pareto": pareto_figure(res.summary, res.plans)}
+    ratios = ratio_figure(res.summary)
+    if ratios is not None:
+        figures["ratios"] = ratios
+    planner = planner_figure(res.plans)
+    if planner is not None:
+        figures["planner"] = planner
+    if not res.batches.empty:
+        figures["batches"] = batch_figure(res.batches)
+    if not res.predictions.empty:
+        figures["scatter"] = scatter_figure(res.predictions)
+    grad_figs = gradient_figures(res.gradients) if res.gradients else []
+    if grad_figs:
+        figures["accuracy_vs_flops"], figures["accuracy_vs_time"] = grad_figs
+    return figures
 
 
 def render(res: StudyResults, out_dir: str | Path) -> tuple[Path, Path]:

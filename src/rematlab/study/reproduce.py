@@ -19,6 +19,8 @@ import pandas as pd
 import torch
 
 from rematlab.core.files import jsonable, write_text
+from rematlab.measurement.spec import Spec
+from rematlab.planning.planner import Planning
 from rematlab.study.grid import Grid, load_grid
 from rematlab.study.store import Store, load, trusted_only
 
@@ -80,6 +82,14 @@ class _Cache:
         write_text(self.root / f"{stage}.json",
                    json.dumps({"key": key, "value": value}, default=jsonable))
 
+    def made(self, stage: str, key: str, make: Callable[[], dict]) -> dict:
+        """The stage's stored value for `key`, or `make()`'s, stored: a rerun resumes."""
+        value = self.get(stage, key)
+        if value is None:
+            value = make()
+            self.put(stage, key, value)
+        return value
+
 
 def _fingerprint(db: Path) -> str:
     with Store(db, read_only=True) as store:
@@ -107,7 +117,8 @@ def _sweep_info(sweeps: pd.DataFrame) -> dict:
 
 def run_study(settings: StudySettings, say: Say = print,
               sweep_runner: Callable[[Grid, Path], object] | None = None) -> tuple[Path, Path]:
-    """The whole study; returns the paths of report.html and report.md."""
+    """The whole study; returns the paths of report.html and report.md. Each stage after
+    the sweep is cached under the sweep's fingerprint, so a rerun resumes."""
     from rematlab.study.report import StudyResults, render
 
     grid = load_grid(settings.grid)
@@ -117,7 +128,43 @@ def run_study(settings: StudySettings, say: Say = print,
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     cache = _Cache(out)
+    summary, runs, sweep_info = _sweep_stage(grid, settings, say, sweep_runner)
+    key = _fingerprint(settings.db)
 
+    say("[2/7] predictors: features, evaluation, fit")
+    pred = cache.made("predict", key, lambda: _predict_stage(summary, out))
+    caps = grid_caps(summary)
+    say("[3/7] statistics and guidelines")
+    stats = cache.made("stats", key, lambda: _stats_stage(summary, runs, caps))
+    say("[4/7] the largest batch under each architecture's cap, without and with remat")
+    batches = cache.made("batches", f"{key}|{grid.devices[0]}|{sorted(caps.items())}",
+                         lambda: {"rows": _batch_stage(grid, caps, say)})
+    stats["guidelines"] = with_batches(stats.get("guidelines", []), batches["rows"])
+    say("[5/7] planner demonstrations")
+    plans = cache.made(
+        "plans", f"{key}|{settings.plan_fractions}|{settings.plan_ops}|{grid.devices[0]}",
+        lambda: {"rows": _plan_stage(grid, settings, out, say)})
+    say("[6/7] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
+    grad_key = json.dumps([settings.gradient_models, settings.gradient_budgets,
+                           settings.gradient_seeds, settings.gradient_steps,
+                           settings.gradient_batch])
+    grads = cache.made("gradients", grad_key, lambda: _gradient_stage(settings, say))
+    say("[7/7] report")
+    res = StudyResults(
+        grid=grid.name, about=grid.study.about or "", summary=summary, runs=runs,
+        evaluation=pd.DataFrame(pred["evaluation"]),
+        predictions=pd.DataFrame(pred["predictions"]),
+        predictor_models=pred["models"], stats=stats, plans=pd.DataFrame(plans["rows"]),
+        batches=pd.DataFrame(batches["rows"]),
+        gradients=grads, sweep=sweep_info)
+    return render(res, out)
+
+
+def _sweep_stage(grid: Grid, settings: StudySettings, say: Say,
+                 sweep_runner: Callable[[Grid, Path], object] | None
+                 ) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """Stage 1: the grid swept into the study's database (resumed where it stopped); the
+    per-configuration summary, the runs, and what the sweep took."""
     say(f"[1/7] sweep: {len(grid.expand())} configurations of grid {grid.name} -> "
         f"{settings.db}")
     if sweep_runner is not None:
@@ -133,61 +180,22 @@ def run_study(settings: StudySettings, say: Say = print,
     sweep_info = _sweep_info(sweeps)
     summary, runs = load(settings.db, "config_summary"), load(settings.db)
     sweep_info["untrusted"] = trusted_only(summary)[1]
-    key = _fingerprint(settings.db)
+    return summary, runs, sweep_info
 
-    say("[2/7] predictors: features, evaluation, fit")
-    pred = cache.get("predict", key)
-    if pred is None:
-        pred = _predict_stage(summary, out)
-        cache.put("predict", key, pred)
 
-    caps = grid_caps(summary)
-    say("[3/7] statistics and guidelines")
-    stats = cache.get("stats", key)
-    if stats is None:
-        from rematlab.study.stats import analyze
+def _stats_stage(summary: pd.DataFrame, runs: pd.DataFrame, caps: dict) -> dict:
+    from rematlab.study.stats import analyze
 
-        stats = analyze(summary, runs, memory_cap=caps).to_dict()
-        cache.put("stats", key, stats)
+    return analyze(summary, runs, memory_cap=caps).to_dict()
 
-    say("[4/7] the largest batch under each architecture's cap, without and with remat")
-    batch_key = f"{key}|{grid.devices[0]}|{sorted(caps.items())}"
-    batches = cache.get("batches", batch_key)
-    if batches is None:
-        batches = {"rows": _batch_stage(grid, caps, say)}
-        cache.put("batches", batch_key, batches)
-    stats["guidelines"] = with_batches(stats.get("guidelines", []), batches["rows"])
 
-    say("[5/7] planner demonstrations")
-    plan_key = f"{key}|{settings.plan_fractions}|{settings.plan_ops}|{grid.devices[0]}"
-    plans = cache.get("plans", plan_key)
-    if plans is None:
-        plans = {"rows": _plan_stage(grid, settings, out, say)}
-        cache.put("plans", plan_key, plans)
+def _gradient_stage(settings: StudySettings, say: Say) -> dict:
+    from rematlab.gradients.comparison import compare
 
-    say("[6/7] gradient estimators: BP+checkpointing vs forward-mode AD vs zeroth-order")
-    grad_key = json.dumps([settings.gradient_models, settings.gradient_budgets,
-                           settings.gradient_seeds, settings.gradient_steps,
-                           settings.gradient_batch])
-    grads = cache.get("gradients", grad_key)
-    if grads is None:
-        from rematlab.gradients.comparison import compare
-
-        grads = compare(list(settings.gradient_models), list(settings.gradient_budgets),
-                        settings.gradient_seeds, steps=settings.gradient_steps,
-                        batch=settings.gradient_batch,
-                        progress=lambda m: say(f"      {m}")).to_dict()
-        cache.put("gradients", grad_key, grads)
-
-    say("[7/7] report")
-    res = StudyResults(
-        grid=grid.name, about=grid.study.about or "", summary=summary, runs=runs,
-        evaluation=pd.DataFrame(pred["evaluation"]),
-        predictions=pd.DataFrame(pred["predictions"]),
-        predictor_models=pred["models"], stats=stats, plans=pd.DataFrame(plans["rows"]),
-        batches=pd.DataFrame(batches["rows"]),
-        gradients=grads, sweep=sweep_info)
-    return render(res, out)
+    return compare(list(settings.gradient_models), list(settings.gradient_budgets),
+                   settings.gradient_seeds, steps=settings.gradient_steps,
+                   batch=settings.gradient_batch, progress=lambda m: say(f"      {m}")
+                   ).to_dict()
 
 
 def _predict_stage(summary: pd.DataFrame, out: Path) -> dict:
@@ -271,11 +279,9 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
     uniform count that fits the same budget (simulated)."""
     from rematlab.core.recipe import Step
     from rematlab.measurement import zoo
-    from rematlab.measurement.measure import measure
-    from rematlab.measurement.spec import Spec
     from rematlab.planning.planner import prepare
     from rematlab.plans.fixed import none_plan
-    from rematlab.plans.simulate import overhead, simulate
+    from rematlab.plans.simulate import simulate
 
     device = torch.device(grid.devices[0])
     rows = []
@@ -297,35 +303,46 @@ def _plan_stage(grid: Grid, settings: StudySettings, out: Path, say: Say) -> lis
         # the configuration's own step: its optimizer, its autocast
         step = Step(precision=spec.precision, optimizer=spec.optimizer)
         planning = prepare(net, x, step=step, ops=settings.plan_ops)
-        costs, floor = planning.costs, planning.floor_budget()  # what choose accepts
-        full, full_time = simulate(none_plan(costs.n), costs)
+        floor = planning.floor_budget()  # what choose accepts
+        full, full_time = simulate(none_plan(planning.costs.n), planning.costs)
         full = max(full, floor)
         budgets = {int(floor + f * (full - floor)): f
                    for f in settings.plan_fractions}  # one budget when floor == full
         for budget, frac in budgets.items():
-            chosen = planning.choose(budget)
-            precision = f"-{spec.precision}" if spec.precision else ""
-            path = out / "plans" / f"{spec.model}-{spec.input}{precision}-b{batch}-{frac:g}.json"
-            write_text(path, chosen.to_json())
-            obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,
-                               strategy=f"plan:{path}", device=str(device), repeats=3,
-                               optimizer=spec.optimizer, precision=spec.precision))
-            say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: "
-                f"{chosen.describe()}")
-            uniform = next((r for r in planning.baselines(budget)
-                            if r["strategy"].startswith("uniform")), None)
-            rows.append({"model": spec.model, "input": spec.input, "batch": batch,
-                         "precision": spec.precision or "fp32",
-                         "budget": budget, "floor": floor, "plan": chosen.describe(),
-                         "predicted_peak": chosen.predicted_peak,
-                         "measured_peak": obs.peak if obs.outcome == "ok" else None,
-                         "within_budget": bool(obs.peak is not None and obs.peak <= budget),
-                         "predicted_overhead": overhead(chosen.predicted_time or 0.0,
-                                                       full_time),
-                         "step_s": obs.median() if obs.outcome == "ok" else None,
-                         "trusted": obs.evidence.trusted if obs.evidence else None,
-                         # the best uniform count that fits the same budget (simulated)
-                         "uniform": uniform["strategy"] if uniform else None,
-                         "uniform_fits": bool(uniform and uniform["fits"]),
-                         "uniform_overhead": uniform["overhead"] if uniform else None})
+            rows.append(_plan_row(planning, replace(spec, device=grid.devices[0], batch=batch),
+                                  budget, frac, full_time, out, say))
     return rows
+
+
+def _plan_row(planning: Planning, spec: Spec, budget: int, frac: float, full_time: float,
+              out: Path, say: Say) -> dict:
+    """One planner demonstration: the plan for `budget`, written to the study's folder,
+    measured as the configuration's training step (`spec`: its model, input, precision and
+    optimizer at the planned batch, on the planned device), beside the best uniform count
+    that fits the same budget (simulated)."""
+    from rematlab.measurement.measure import measure
+    from rematlab.plans.simulate import overhead
+
+    chosen, batch = planning.choose(budget), spec.batch
+    precision = f"-{spec.precision}" if spec.precision else ""
+    path = out / "plans" / f"{spec.model}-{spec.input}{precision}-b{batch}-{frac:g}.json"
+    write_text(path, chosen.to_json())
+    obs = measure(Spec(model=spec.model, input=spec.input, batch=batch,
+                       strategy=f"plan:{path}", device=spec.device, repeats=3,
+                       optimizer=spec.optimizer, precision=spec.precision))
+    say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: {chosen.describe()}")
+    uniform = next((r for r in planning.baselines(budget)
+                    if r["strategy"].startswith("uniform")), None)
+    ok = obs.outcome == "ok"
+    return {"model": spec.model, "input": spec.input, "batch": batch,
+            "precision": spec.precision or "fp32",
+            "budget": budget, "floor": planning.floor_budget(), "plan": chosen.describe(),
+            "predicted_peak": chosen.predicted_peak,
+            "measured_peak": obs.peak if ok else None,
+            "within_budget": bool(obs.peak is not None and obs.peak <= budget),
+            "predicted_overhead": overhead(chosen.predicted_time or 0.0, full_time),
+            "step_s": obs.median() if ok else None,
+            "trusted": obs.evidence.trusted if obs.evidence else None,
+            "uniform": uniform["strategy"] if uniform else None,
+            "uniform_fits": bool(uniform and uniform["fits"]),
+            "uniform_overhead": uniform["overhead"] if uniform else None}
