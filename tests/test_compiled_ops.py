@@ -63,7 +63,7 @@ def test_an_option_made_for_other_code_is_refused_under_compile(planning):
     owner = nn.Sequential(*planning.structure.blocks)
     n = planning.costs.n
     stale = Selective(0, "stale", menus[0][0].saves, "0" * 16)
-    edited = Selective(0, "edited", (("aten.addmm.default", 7),), menus[0][0].ops)
+    edited = Selective(0, "edited", (("aten.addmm.default", 7),), menus[0][0].sequence)
     for item, says in ((stale, "plan is stale"), (edited, "saves ops")):
         plan = Plan(n, (item, *range(1, n)), compiled=True)
         with pytest.raises(Exception, match=says):

@@ -86,7 +86,7 @@ def test_op_level_plans_keep_their_budget_under_torchs_memtracker(name):
 def test_a_plan_made_for_other_code_is_refused_and_the_right_code_runs_it():
     model, batch = realzoo.gpt2()
     plan = Plan.from_json(_every_option(rematlab.prepare(model, batch, ops=True)).to_json())
-    assert _selective(plan) and all(it.saves and it.ops for it in _selective(plan))
+    assert _selective(plan) and all(it.saves and it.sequence for it in _selective(plan))
     loss = default_loss(call(rematlab.apply(model, plan), batch), batch)
     loss.backward()
     cfg = GPT2Config(**{**model.config.to_dict(), "activation_function": "relu"})

@@ -160,3 +160,39 @@ def unit_loss(out: torch.Tensor) -> torch.Tensor:
     """sum(out * 1): its backward makes the output gradient inside autograd, which frees it
     once consumed, as in a real step (a gradient passed in from outside would stay alive)."""
     return (out * torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)).sum()
+
+
+class Phases:
+    """What a caller puts around a block's two phases in `block_step`: a context around the
+    forward, what it reads of the output before the backward (the output itself is not
+    kept), and a context around the backward. The base class puts nothing."""
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def forwarded(self, out: torch.Tensor) -> None:
+        """Called with the output once the forward ends."""
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def block_step(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               phases: Phases | None = None) -> bool:
+    """One forward of `run` on `x` and, when its output needs a gradient, the backward of
+    `unit_loss` (made before the backward phase: a block's backward starts from its output
+    gradient): the one loop of a block, a layer or a calibration piece run alone (profiles,
+    option costs, the timer's block times, compiled warm-up, calibration), as `Step` is the
+    one loop of a model's training step. `phases` puts the caller's instruments around each
+    phase. Whether the backward ran."""
+    phases = phases or Phases()
+    with phases.forward():
+        out = run(x)
+    phases.forwarded(out)
+    if not out.requires_grad:
+        return False
+    loss = unit_loss(out)
+    del out  # autograd alone decides when the output dies, as in a real step
+    with phases.backward():
+        loss.backward()
+    return True

@@ -27,7 +27,7 @@ import torch
 from rematlab.core.clocks import Clock, clock_for
 from rematlab.core.guard import LOAD, Calibration, Evidence, Guard, HostLoad, Sample
 from rematlab.core.spread import iqr
-from rematlab.core.steps import unit_loss
+from rematlab.core.steps import Phases, block_step
 
 MIN_REPEAT_SECONDS = 0.2  # a repeat averages enough calls to last at least this long
 MAX_CALLS_PER_REPEAT = 1000
@@ -163,20 +163,35 @@ class Timer:
         return Sample(times=times, steps=calls, calibration=calibrated, measured_s=elapsed)
 
 
+class _Timed(Phases):
+    """A block's forward and backward seconds by `clock` (`steps.block_step`'s phases)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        self.clock.start()
+        yield
+        self.seconds[name] = self.clock.stop()
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return self._phase("forward")
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        return self._phase("backward")
+
+
 def time_block(block: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor,
                repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds of `block` on `x_in`, by the one timer
     (`rematlab.core.timer`, short repeats: a profile's figure, not a sweep's). No warm-up of
     its own: its callers have just run the block on the same input (a tracked run)."""
     def work(clock: Clock) -> dict[str, float]:
-        clock.start()
-        out = block(x_in)
-        forward = clock.stop()
-        clock.start()
-        if out.requires_grad:
-            unit_loss(out).backward()  # the gradient made inside autograd, freed once used
-        backward = clock.stop()
-        return {"forward": forward, "backward": backward, "step": forward + backward}
+        timed = _Timed(clock)
+        block_step(block, x_in, timed)
+        return {**timed.seconds, "step": sum(timed.seconds.values())}
 
     timer = profile_timer(x_in.device)
     timing = timer.run(work, repeats, warmup=0)

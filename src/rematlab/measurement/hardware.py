@@ -15,6 +15,7 @@ import torch
 from rematlab.core import flops as flop_count
 from rematlab.core.clocks import WallClock
 from rematlab.core.guard import CALIBRATION_FLOPS, Calibration
+from rematlab.core.steps import block_step
 from rematlab.core.timer import MIN_REPEAT_SECONDS
 from rematlab.measurement import zoo
 from rematlab.measurement.spec import Spec
@@ -69,7 +70,7 @@ def estimate_seconds(specs: list[Spec]) -> float:
                 x = torch.empty(s.batch, *shape)
                 counter = flop_count.counter()
                 with counter:
-                    model(x).sum().backward()
+                    block_step(model, x)
             cache[key] = float(counter.get_total_flops())
         threads = s.threads or torch.get_num_threads()
         if (s.device, threads) not in rates:

@@ -43,8 +43,8 @@ class Option:
     for backward, every other op is recomputed during backward; or (`modules`) the block
     runs as it is but those submodules of it (names relative to the block: an activation
     function) are checkpointed, each keeping its input and running again in backward. Its
-    memory and times are measured like a plain block's (`ChainCosts`); `ops` fingerprints
-    the block's op sequence, so a plan made for other code is refused
+    memory and times are measured like a plain block's (`ChainCosts`); `sequence` is a hash
+    of the block's op sequence, so a plan made for other code is refused
     (`rematlab.remat.ops`)."""
 
     name: str
@@ -56,26 +56,26 @@ class Option:
     bwd_mem: int
     fwd_time: float
     bwd_time: float
-    ops: str = ""
+    sequence: str = ""
     modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Selective:
     """Run `block` kept under the option named `option`: save the outputs of the ops in
-    `saves`, recompute the rest in backward, or checkpoint its submodules `modules`; `ops`
-    fingerprints the op sequence the option was made for (the plan carries all of it, so it
-    applies without its costs)."""
+    `saves`, recompute the rest in backward, or checkpoint its submodules `modules`;
+    `sequence` is a hash of the op sequence the option was made for (the plan carries all of
+    it, so it applies without its costs)."""
 
     block: int
     option: str
     saves: tuple[tuple[str, int], ...] = ()
-    ops: str = ""
+    sequence: str = ""
     modules: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, block: int, opt: Option) -> Selective:
-        return cls(block, opt.name, opt.saves, opt.ops, opt.modules)
+        return cls(block, opt.name, opt.saves, opt.sequence, opt.modules)
 
 
 Item = Union[int, Selective, Segment]  # noqa: UP007 - recursive alias needs the runtime form
@@ -345,7 +345,7 @@ def _item_to_json(item: Item) -> int | dict:
         return item
     if isinstance(item, Selective):
         return {"block": item.block, "option": item.option,
-                "saves": [list(op) for op in item.saves], "ops": item.ops,
+                "saves": [list(op) for op in item.saves], "sequence": item.sequence,
                 "modules": list(item.modules)}
     return {"checkpoint": [item.start, item.end], "inner": [_item_to_json(i) for i in item.inner]}
 
@@ -358,14 +358,14 @@ def _item_from_json(data: int | dict, depth: int = 0) -> Item:
     if isinstance(data, int):
         return data
     if "option" in data:
-        if not isinstance(data["option"], str) or not isinstance(data.get("ops", ""), str):
-            raise TypeError("an option and its op fingerprint are strings")
+        sequence = data.get("sequence", data.get("ops", ""))  # "ops" in older plans
+        if not isinstance(data["option"], str) or not isinstance(sequence, str):
+            raise TypeError("an option and its op sequence's hash are strings")
         saves = tuple((str(name), int(k)) for name, k in data.get("saves", []))
         modules = data.get("modules", [])
         if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
             raise TypeError("an option's modules are submodule names")
-        return Selective(int(data["block"]), data["option"], saves, data.get("ops", ""),
-                         tuple(modules))
+        return Selective(int(data["block"]), data["option"], saves, sequence, tuple(modules))
     start, end = data["checkpoint"]
     return Segment(int(start), int(end), tuple(_item_from_json(i, depth + 1)
                                                for i in data["inner"]))

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rematlab.core.dispatch import OpCall, OpRecorder
+from rematlab.core.steps import block_step
 from rematlab.core.timer import watched
 from rematlab.preflight.gpu_calibrate import EventTiming, measure_gpu
 from rematlab.preflight.roofline import LoggedOp, logged
@@ -89,12 +90,6 @@ class _OpTimes:
             self.seconds.append(call.seconds)
 
 
-def _step(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-    """One training step of `run` (a piece of the suite, plain or checkpointed) on `x`."""
-    out = run(x)
-    (out.float().square().mean() if out.is_floating_point() else out.sum()).backward()
-
-
 def measure(kind: str = "cpu") -> dict:
     """The fields of a `rematlab.preflight.targets.Target` for this machine's CPU (see module
     docstring), or the GPU here (`gpu_calibrate`: events, real layers' GEMMs)."""
@@ -106,13 +101,13 @@ def measure(kind: str = "cpu") -> dict:
     with watched("the roofline's calibration kernels"):
         for scale in SCALES:
             for module, x in _suite(scale):
-                _step(module, x)  # warm-up
+                block_step(module, x)  # warm-up
                 for _ in range(ROUNDS):
                     timer = _OpTimes()
                     with OpRecorder(timer, timing="host"):
-                        _step(module, x)
+                        block_step(module, x)
                     t0 = time.perf_counter()
-                    _step(module, x)
+                    block_step(module, x)
                     walls.append(time.perf_counter() - t0)
                     kernels.append(sum(timer.seconds))
                     counts.append(len(timer.seconds))
@@ -144,8 +139,8 @@ def _checkpoint_seconds(pieces: list[tuple[nn.Module, torch.Tensor]]) -> float:
     cache). The median over the suite's pieces, never below 0."""
     extra = []
     for module, x in pieces:
-        plain = _median_seconds(lambda m=module, x=x: _step(m, x))
-        ckpt = _median_seconds(lambda m=module, x=x: _step(
+        plain = _median_seconds(lambda m=module, x=x: block_step(m, x))
+        ckpt = _median_seconds(lambda m=module, x=x: block_step(
             lambda v: checkpoint(m, v, use_reentrant=False), x))
         extra.append(ckpt - plain - _median_seconds(lambda m=module, x=x: m(x)))
     return max(0.0, statistics.median(extra))

@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rematlab.core.clocks import CudaEventClock
+from rematlab.core.steps import block_step
+
 REPEATS = 10
 GEMMS = ((4096, 4096, 4096), (4096, 4096, 14336), (4096, 14336, 4096))  # (tokens, in, out)
 COPY_BYTES = 1 << 30
@@ -47,24 +50,22 @@ class Timing(Protocol):
 
 
 class EventTiming:
-    """CUDA events around `fn` on the current stream (module docstring)."""
+    """`fn`'s median seconds by the device's clock (`core.clocks.CudaEventClock`: events on
+    the current stream) over `repeats`, after a warm-up (module docstring)."""
 
-    method = "cuda_events"
+    method = CudaEventClock.method
 
     def __init__(self, repeats: int = REPEATS) -> None:
         self.repeats = repeats
 
     def seconds(self, fn: Callable[[], object]) -> float:
         fn()  # warm-up: cuBLAS heuristics, allocator blocks
+        clock = CudaEventClock()
         times = []
         for _ in range(self.repeats):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            clock.start()
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000.0)
+            times.append(clock.stop())
         return statistics.median(times)
 
 
@@ -121,8 +122,7 @@ def checkpoint_seconds(device: torch.device, timing: Timing, tokens: int, width:
     def block(v: torch.Tensor) -> torch.Tensor:
         return F.gelu(v @ w1) @ w2
 
-    def step(run: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        run(x).sum().backward()
-    plain = timing.seconds(lambda: step(block))
-    kept = timing.seconds(lambda: step(lambda v: checkpoint(block, v, use_reentrant=False)))
+    plain = timing.seconds(lambda: block_step(block, x))
+    kept = timing.seconds(lambda: block_step(
+        lambda v: checkpoint(block, v, use_reentrant=False), x))
     return max(0.0, kept - plain - timing.seconds(lambda: block(x)))

@@ -22,7 +22,7 @@ from rematlab.core.probes import (
     rounded,
     storage_key,
 )
-from rematlab.core.steps import unit_loss
+from rematlab.core.steps import Phases, block_step
 from rematlab.core.timer import time_block
 from rematlab.plans.plan import Option
 from rematlab.preflight.fake import is_fake
@@ -116,16 +116,13 @@ def _warmed(run: Callable, block: nn.Module, x_in: torch.Tensor) -> Callable:
     """`run` compiled, its forward and backward compiled outside any measurement."""
     run = compiled(run)
     for _ in range(2):
-        out = run(x_in)
-        if out.requires_grad:
-            unit_loss(out).backward()  # the gradient made inside autograd, freed once used
-    del out
+        block_step(run, x_in)
     for p in block.parameters():
         p.grad = None
     return run
 
 
-class _BlockRun:
+class _BlockRun(Phases):
     """One tracked forward and backward of a block (`profile_block`), with every instrument
     around it: the live-storage tracker (not under compile, which it cannot see into), the
     saved-tensor recorder, the FLOP counter, the op logs a target prices, kernels' scratch
@@ -181,30 +178,36 @@ class _BlockRun:
         self.marks.append(self.tracker.peak)
         return self._pack(t)
 
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self._before = self.tracker.live
+        with self._around("forward", 0), \
+                self.flops if not self.compile else contextlib.nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(self._pack_marked, lambda t: t):
+            yield
+
+    def forwarded(self, out: torch.Tensor) -> None:
+        before, tracker = self._before, self.tracker
+        self.fwd_mem = tracker.peak - before
+        # a recomputation stops once the last saved tensor is made again (torch's early
+        # stop), so the ops after it, the output among them, are not run
+        self.rec_mem = (self.marks[-1] - before) if self.marks else 0
+        self.kin, self.kout = storage_key(self.x_in), storage_key(out)
+        self.nxt = out.detach().clone()  # the next block's input, made outside the view
+        self.out_bytes = rounded(out.element_size() * out.numel(), tracker.unit)
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        tracker = self.tracker  # `bwd_mem`: the peak above the output gradient
+        before_bwd = tracker.live
+        tracker.reset_peak()
+        with self._around("backward", 1):
+            yield
+        self.bwd_mem = tracker.peak - before_bwd - self.out_bytes
+
     def go(self) -> _BlockRun:
-        tracker = self.tracker
         with self.allocator or contextlib.nullcontext():
-            before = tracker.live
-            with self._around("forward", 0), \
-                    self.flops if not self.compile else contextlib.nullcontext(), \
-                    torch.autograd.graph.saved_tensors_hooks(self._pack_marked, lambda t: t):
-                out = self.run(self.x_in)
-            self.fwd_mem = tracker.peak - before
-            # a recomputation stops once the last saved tensor is made again (torch's early
-            # stop), so the ops after it, the output among them, are not run
-            self.rec_mem = (self.marks[-1] - before) if self.marks else 0
-            self.kin, self.kout = storage_key(self.x_in), storage_key(out)
-            self.nxt = out.detach().clone()  # the next block's input, made outside the view
-            self.out_bytes = rounded(out.element_size() * out.numel(), tracker.unit)
-            self.bwd_ran = out.requires_grad
-            if self.bwd_ran:
-                loss = unit_loss(out)  # `bwd_mem` is the peak above the output gradient
-                del out  # autograd alone decides when the output dies, as in a real step
-                before_bwd = tracker.live
-                tracker.reset_peak()
-                with self._around("backward", 1):
-                    loss.backward()
-                self.bwd_mem = tracker.peak - before_bwd - self.out_bytes
+            self.bwd_ran = block_step(self.run, self.x_in, self)
         if self.allocator is not None:  # kernel workspaces, compiled code: the allocator's
             phases = self.allocator.phases
             if phases["forward"].transient > self.fwd_mem:  # unseen when: assume all of it

@@ -169,5 +169,5 @@ def compiled_options(block: MenuBlock, plain: BlockCost, eager: list[OpCost],
         menu.append(Option(name=item.option, saves=saves, saved=r.saved,
                            keeps_input=r.keeps_input, keeps_output=r.keeps_output,
                            fwd_mem=r.fwd_mem, bwd_mem=r.bwd_mem,
-                           fwd_time=r.fwd_time, bwd_time=r.bwd_time, ops=key))
+                           fwd_time=r.fwd_time, bwd_time=r.bwd_time, sequence=key))
     return smaller(menu, plain, unit)

@@ -26,7 +26,7 @@ import contextlib
 import statistics
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rematlab.core.dispatch import OpCall, OpRecorder
 from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
-from rematlab.core.steps import preserved, unit_loss
+from rematlab.core.steps import Phases, block_step, preserved
 from rematlab.core.timer import time_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Option, Selective
@@ -275,46 +275,66 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     checkpoint keeps, and the output, unless it is among the saved), the forward and
     backward peaks under the live-tensor tracker, and median times by the one timer (with a
     `target`, the roofline's for the ops the forward and the backward ran)."""
-    logs = (OpLog(), OpLog()) if target is not None else None
-
     def selective(x: torch.Tensor) -> torch.Tensor:
         return run_option(item, module, run, RecomputeStats(), "profiling", x)
 
-    tracker = LiveTensorTracker(unit=unit)
-    tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
-
-    def watched(i: int) -> OpRecorder:
-        return OpRecorder(tracker, *([logs[i]] if logs else []))
-
+    tracked = _OptionRun(unit, target is not None)
+    tracked.tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
     with preserved(module):
-        before = tracker.live
-        with watched(0):
-            out = selective(x_in)
-        fwd_mem = tracker.peak - before
-        out_bytes = rounded(out.untyped_storage().nbytes(), unit)
-        like = torch.empty_like(out, device="meta")  # its shape, for `backward_interval`
-        alive = weakref.ref(out.untyped_storage())
-        loss = unit_loss(out)
-        del out
-        held = tracker.live - before
-        keeps_output = alive() is not None
-        tracker.reset_peak()
-        before_bwd = tracker.live
-        with watched(1):
-            loss.backward()
-        bwd_mem = tracker.peak - before_bwd - out_bytes
-    if logs is not None:  # an op-level option's forward and replay pay the dispatch mode
+        block_step(selective, x_in, tracked)
+    if tracked.logs is not None:  # an option's forward and replay pay the dispatch mode
+        logs = tracked.logs
         host = selective_seconds(logs[0].ops, target) if item.saves else 0.0
         fwd_time = interval(logs[0].ops, target)[1] + host
-        bwd_time = backward_interval(logs[1].ops, like, target)[1] + host
+        bwd_time = backward_interval(logs[1].ops, tracked.like, target)[1] + host
     else:
         # the tracked run above was the warm-up
         fwd_time, bwd_time = (time_block(selective, x_in, repeats) if repeats
                               else (0.0, 0.0))
+    out_bytes, keeps_output = tracked.out_bytes, tracked.keeps_output
     return Option(name=item.option, saves=item.saves,
-                  saved=max(0, held - (out_bytes if keeps_output else 0)), keeps_input=True,
-                  keeps_output=keeps_output, fwd_mem=fwd_mem, bwd_mem=max(0, bwd_mem),
-                  fwd_time=fwd_time, bwd_time=bwd_time, ops=item.ops, modules=item.modules)
+                  saved=max(0, tracked.held - (out_bytes if keeps_output else 0)),
+                  keeps_input=True, keeps_output=keeps_output, fwd_mem=tracked.fwd_mem,
+                  bwd_mem=max(0, tracked.bwd_mem), fwd_time=fwd_time, bwd_time=bwd_time,
+                  sequence=item.sequence, modules=item.modules)
+
+
+class _OptionRun(Phases):
+    """An option's tracked forward and backward (`block_step`'s phases): the live-storage
+    tracker around both, the roofline's logs with a target; what the option holds once the
+    forward ends (the output dropped: autograd keeps it only if the option saves it)."""
+
+    def __init__(self, unit: int, logged: bool) -> None:
+        self.tracker = LiveTensorTracker(unit=unit)
+        self.logs = (OpLog(), OpLog()) if logged else None
+        self.fwd_mem = self.bwd_mem = self.held = self.out_bytes = 0
+        self.keeps_output = False
+
+    def _watched(self, i: int) -> OpRecorder:
+        return OpRecorder(self.tracker, *([self.logs[i]] if self.logs else []))
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self._before = self.tracker.live
+        with self._watched(0):
+            yield
+
+    def forwarded(self, out: torch.Tensor) -> None:
+        self.fwd_mem = self.tracker.peak - self._before
+        self.out_bytes = rounded(out.untyped_storage().nbytes(), self.tracker.unit)
+        self.like = torch.empty_like(out, device="meta")  # its shape (`backward_interval`)
+        self._alive = weakref.ref(out.untyped_storage())
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        tracker = self.tracker  # the loss is made and the output dropped by now
+        self.held = tracker.live - self._before
+        self.keeps_output = self._alive() is not None
+        tracker.reset_peak()
+        before_bwd = tracker.live
+        with self._watched(1):
+            yield
+        self.bwd_mem = tracker.peak - before_bwd - self.out_bytes
 
 
 def run_option(item: Selective, module: nn.Module, fn: Callable, stats: RecomputeStats,
@@ -333,8 +353,8 @@ def run_option(item: Selective, module: nn.Module, fn: Callable, stats: Recomput
             return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
         return checkpoint(fn, *args, use_reentrant=False, **kwargs,
-                          context_fn=compiled_context_fn(item.saves, item.ops, where))
-    policy = SavePolicy(item.saves, item.ops, where)
+                          context_fn=compiled_context_fn(item.saves, item.sequence, where))
+    policy = SavePolicy(item.saves, item.sequence, where)
     out = checkpoint(fn, *args, use_reentrant=False, **kwargs,
                      context_fn=selective_contexts(stats, [module], policy))
     policy.check()

@@ -51,10 +51,10 @@ class SavePolicy:
     `check` can refuse a plan made for other code. `record`, when given, is called with
     each forward op's name and output (how the compiled menu learns the traced sequence)."""
 
-    def __init__(self, saves: Saves, ops: str, where: str,
+    def __init__(self, saves: Saves, sequence: str, where: str,
                  record: Callable[[Any, Any], None] | None = None) -> None:
         self.saves = frozenset(saves)
-        self.ops = ops
+        self.sequence = sequence  # `fingerprint` of the op sequence the option was made for
         self.where = where
         self.record = record
         self.seen: list[str] = []
@@ -78,7 +78,7 @@ class SavePolicy:
         """Refuse the plan when this forward ran other ops than the option was made for, or
         when the option saves an op (or an occurrence of one) the forward never ran: an
         edited plan would otherwise silently save nothing there and recompute it all."""
-        if self.ops and self.seen and fingerprint(self.seen) != self.ops:
+        if self.sequence and self.seen and fingerprint(self.seen) != self.sequence:
             raise ConfigError(
                 f"the plan is stale: {self.where} ran {len(self.seen)} ops that do not match "
                 "the op sequence its option was made for (the model or its input changed, "
@@ -118,19 +118,19 @@ def traced_ops() -> Iterator[list[list[tuple[Any, Any]]]]:
         _traces = previous
 
 
-def compiled_contexts(saves: Saves, ops: str, where: str) -> tuple:
+def compiled_contexts(saves: Saves, sequence: str, where: str) -> tuple:
     """The two dispatch modes of one traced region under `saves`, with a fresh policy (each
     AOTAutograd trace counts occurrences from the start)."""
     record = None
     if _traces is not None:
         _traces.append([])
         record = lambda func, out, into=_traces[-1]: into.append((func, out))  # noqa: E731
-    policy = SavePolicy(saves, ops, where, record)
+    policy = SavePolicy(saves, sequence, where, record)
     storage: defaultdict[Any, dict[int, Any]] = defaultdict(dict)  # as torch's own
     return _CheckedForward(policy, storage), _CachedTorchDispatchMode(None, storage, False)
 
 
-def compiled_context_fn(saves: Saves, ops: str, where: str) -> Callable[[], tuple]:
+def compiled_context_fn(saves: Saves, sequence: str, where: str) -> Callable[[], tuple]:
     """The `context_fn` of an option's region under torch.compile: a partial dynamo keeps as
     a constant (it guards on the saves, so each option compiles its own graph)."""
-    return functools.partial(compiled_contexts, saves, ops, where)
+    return functools.partial(compiled_contexts, saves, sequence, where)

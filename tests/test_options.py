@@ -1,0 +1,103 @@
+"""One options object per concern (issue 52): `PlanOptions` validated once, with one set of
+messages for the API and the CLI; the keywords rematlab always took still change it, and an
+unknown one is refused with the names known; max-batch's search and a gradient run's
+settings alike; a plan's op-sequence hash named for what it is."""
+
+import re
+
+import pytest
+import torch
+
+import rematlab
+from rematlab import PlanOptions, zoo
+from rematlab.core.recipe import Step
+from rematlab.exceptions import ConfigError
+from rematlab.planning.maxbatch import SearchOptions
+from rematlab.planning.options import request
+from rematlab.plans.plan import Plan, Selective
+from tests import clirun
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"compile": True, "predict": True}, "compiled costs must be measured"),
+    ({"target": "h100"}, "it needs predict=True (--predict)"),
+    ({"ops": "yes"}, "ops must be True or False"),
+    ({"verify": 1}, "verify must be True or False"),
+    ({"fractions": (0.5, 2.0)}, "fractions must be a list of numbers in [0, 1]"),
+    ({"fractions": "0.5"}, "fractions must be a list"),
+    ({"repeats": 0}, "repeats must be a whole number"),
+    ({"repeats": True}, "repeats must be a whole number"),
+    ({"device": 3}, "device must be a name or a torch.device"),
+])
+def test_plan_options_refuse_bad_values_when_made(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        PlanOptions(**fields)
+
+
+def test_keywords_change_the_options_and_the_step_and_unknown_ones_are_refused():
+    base = PlanOptions(ops=True, fractions=[0, 1])
+    assert base.fractions == (0.0, 1.0)
+    opts, step = request(base, None, {"verify": False, "optimizer": "adamw"})
+    assert opts == PlanOptions(ops=True, verify=False, fractions=(0.0, 1.0))
+    assert step.optimizer == "adamw"
+    assert request(None, None, {})[0] == PlanOptions()
+    with pytest.raises(ConfigError, match=r"unknown keyword.*opps.*planning takes.*ops"):
+        request(None, None, {"opps": True})
+    with pytest.raises(ConfigError, match="say the step once"):
+        request(None, Step(), {"optimizer": "adam"})
+    with pytest.raises(ConfigError, match=r"options must be a rematlab.PlanOptions"):
+        request({"ops": True}, None, {})  # type: ignore[arg-type]
+    # a change made through a keyword is validated as the options are
+    with pytest.raises(ConfigError, match="compiled costs must be measured"):
+        request(PlanOptions(compile=True), None, {"predict": True})
+
+
+def test_prepare_takes_the_options_whole_or_as_keywords_alike():
+    torch.manual_seed(0)
+    model, x = zoo.mlp(3).train(), torch.randn(8, 1, 28, 28)
+    whole = rematlab.prepare(model, x, PlanOptions(verify=False), optimizer="adam")
+    keywords = rematlab.prepare(model, x, verify=False, optimizer="adam")
+    assert not whole.verify and not keywords.verify
+    assert whole.step == keywords.step and whole.costs.saved == keywords.costs.saved
+    with pytest.raises(ConfigError, match="unknown keyword"):
+        rematlab.plan(model, x, "1GiB", budgett="2GiB")
+
+
+def test_search_options_refuse_bad_values_and_max_batch_sorts_its_keywords():
+    with pytest.raises(ConfigError, match="unknown case"):
+        SearchOptions(cases=("sometimes",))
+    with pytest.raises(ConfigError, match="cases must be a list"):
+        SearchOptions(cases="none")
+    with pytest.raises(ConfigError, match="limit must be between"):
+        SearchOptions(limit=0)
+    model, x = zoo.mlp(3).train(), torch.randn(8, 1, 28, 28)
+    with pytest.raises(ConfigError, match=r"unknown keyword.*limitt"):
+        rematlab.max_batch(model, x, "1GiB", limitt=3)
+
+
+def test_the_cli_and_the_api_refuse_compile_with_predict_in_the_same_words():
+    with pytest.raises(ConfigError) as api:
+        PlanOptions(compile=True, predict=True)
+    proc = clirun.run(["plan", "--model", "mlp3", "--budget", "1GiB", "--compile",
+                       "--predict"])
+    assert proc.returncode == 2
+    assert clirun.said(proc.stderr) == [f"error: {api.value}"]
+
+
+def test_a_plans_op_sequence_hash_round_trips_and_older_plans_still_load():
+    plan = Plan(3, (0, Selective(1, "save mm", (("aten.mm.default", 0),), "abc123"), 2))
+    data = plan.to_json()
+    assert '"sequence": "abc123"' in data and '"ops"' not in data
+    assert Plan.from_json(data) == plan
+    older = data.replace('"sequence"', '"ops"')
+    assert Plan.from_json(older) == plan
+
+
+def test_a_gradient_run_refuses_an_unknown_setting():
+    from rematlab.gradients.comparison import compare
+    from rematlab.gradients.training import train
+
+    with pytest.raises(ConfigError, match=r"unknown training setting.*stepz.*known"):
+        train("mlp3", "bp", stepz=3)
+    with pytest.raises(ConfigError, match=r"unknown training setting.*stepz"):
+        compare(["mlp3"], [1], stepz=3)
