@@ -101,3 +101,20 @@ def test_a_gradient_run_refuses_an_unknown_setting():
         train("mlp3", "bp", stepz=3)
     with pytest.raises(ConfigError, match=r"unknown training setting.*stepz"):
         compare(["mlp3"], [1], stepz=3)
+
+
+def test_costs_saved_with_the_older_op_sequence_key_still_load():
+    from dataclasses import asdict
+
+    from rematlab.plans.plan import ChainCosts, Option
+
+    option = Option("save mm", (("aten.mm.default", 0),), 10, True, False, 5, 6, 0.1, 0.2,
+                    sequence="abc123")
+    costs = ChainCosts(x=[1, 1], saved=[4], keeps_input=[False], keeps_output=[False],
+                       fwd_mem=[0], bwd_mem=[0], grad=[0], fwd_time=[1.0], bwd_time=[2.0],
+                       options=[[option]])
+    assert ChainCosts.from_dict(costs.to_dict()) == costs
+    older = costs.to_dict()
+    older["options"] = [[{**{k: v for k, v in asdict(option).items() if k != "sequence"},
+                         "ops": "abc123"}]]
+    assert ChainCosts.from_dict(older) == costs

@@ -76,7 +76,7 @@ def with_menus(costs: ChainCosts, seed: int) -> ChainCosts:
     costs.options = [[Option(f"o{j}", (("aten.mm.default", j),), rng.randint(0, costs.saved[i]),
                              rng.random() < 0.8, rng.random() < 0.3, costs.fwd_mem[i],
                              costs.bwd_mem[i] + rng.randint(0, 4), costs.fwd_time[i],
-                             costs.bwd_time[i] + rng.randint(0, 4), ops=f"b{i}")
+                             costs.bwd_time[i] + rng.randint(0, 4), sequence=f"b{i}")
                       for j in range(rng.randint(1, 2))] for i in range(costs.n)]
     return costs
 

@@ -172,7 +172,9 @@ class ChainCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> ChainCosts:
-        menus = [[Option(**{**o, "saves": tuple(tuple(v) for v in o["saves"]),
+        menus = [[Option(**{**{k: v for k, v in o.items() if k != "ops"},
+                            "sequence": o.get("sequence", o.get("ops", "")),  # "ops": older
+                            "saves": tuple(tuple(v) for v in o["saves"]),
                             "modules": tuple(o.get("modules", ()))}) for o in menu]
                  for menu in data.get("options", [])]
         ckpt = data.get("checkpoint_time", [])
