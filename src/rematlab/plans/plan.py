@@ -62,10 +62,8 @@ class Option:
 
 @dataclass(frozen=True)
 class Selective:
-    """Run `block` kept under the option named `option`: save the outputs of the ops in
-    `saves`, recompute the rest in backward, or checkpoint its submodules `modules`;
-    `sequence` is a hash of the op sequence the option was made for (the plan carries all of
-    it, so it applies without its costs)."""
+    """Run `block` kept under the option named `option` (`Option`'s fields; the plan carries
+    them all, so it applies without its costs)."""
 
     block: int
     option: str
@@ -172,8 +170,8 @@ class ChainCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> ChainCosts:
-        menus = [[Option(**{**{k: v for k, v in o.items() if k != "ops"},
-                            "sequence": o.get("sequence", o.get("ops", "")),  # "ops": older
+        menus = [[Option(**{**{k: v for k, v in o.items() if k != "ops"},  # "ops": older
+                            "sequence": o.get("sequence", o.get("ops", "")),
                             "saves": tuple(tuple(v) for v in o["saves"]),
                             "modules": tuple(o.get("modules", ()))}) for o in menu]
                  for menu in data.get("options", [])]
