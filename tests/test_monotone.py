@@ -77,5 +77,5 @@ def test_prepare_serves_many_budgets_from_one_profile_and_a_curve():
     # the curve is the Pareto front: every fixed strategy, simulated on the same costs, is
     # matched or beaten in both peak and time by one of its points
     for row in planning.baselines():
-        assert any(c["peak"] <= row["peak"] and c["time"] <= row["time"] * (1 + 1e-9)
+        assert any(c["peak"] <= row.peak and c["time"] <= row.time * (1 + 1e-9)
                    for c in curve), row

@@ -208,20 +208,20 @@ def test_plan_for_torch_compile_honours_the_budget_on_the_compiled_step(tmp_path
 def test_compare_lists_the_fixed_strategies_with_their_simulated_costs():
     planning = prepare(zoo.vgg16("cifar"), torch.randn(16, 3, 32, 32), verify=False)
     n, costs = planning.costs.n, planning.costs
-    rows = {r["strategy"]: r for r in planning.baselines(None)}
+    rows = {r.strategy: r for r in planning.baselines(None)}
     assert {"none", "sqrt", "selective"} <= set(rows)
     none_peak, none_time = simulate(none_plan(n), costs)
-    assert rows["none"]["peak"] == none_peak and rows["none"]["overhead"] == 0.0
+    assert rows["none"].peak == none_peak and rows["none"].overhead == 0.0
     for r in rows.values():
-        assert r["peak_ratio"] == pytest.approx(r["peak"] / none_peak)
-        assert r["overhead"] == pytest.approx(r["time"] / none_time - 1.0)
-        assert r["fits"]
+        assert r.peak_ratio == pytest.approx(r.peak / none_peak)
+        assert r.overhead == pytest.approx(r.time / none_time - 1.0)
+        assert r.fits
     # with a budget, the uniform row is the fastest uniform count that fits it
     budget = int(0.5 * (planning.floor + none_peak))
-    uniform = next(r for r in planning.baselines(budget) if r["strategy"].startswith("uniform"))
+    uniform = next(r for r in planning.baselines(budget) if r.strategy.startswith("uniform"))
     fitting = [simulate(uniform_plan(n, k), costs) for k in range(2, n + 1)]
-    assert uniform["time"] == min(t for p, t in fitting if p <= budget)
-    assert uniform["fits"]
+    assert uniform.time == min(t for p, t in fitting if p <= budget)
+    assert uniform.fits
 
 
 class _Scaled(torch.nn.Module):

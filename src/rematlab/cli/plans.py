@@ -223,11 +223,11 @@ def _plan_summary(planning: Any, budget: str) -> dict:
             "step": planning.step.describe(), "predicted_peak": chosen.predicted_peak,
             "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
             "reserved_peak": chosen.reserved_peak,
-            "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0]["time"]),
+            "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0].time),
             "overhead_interval": (list(planning.overhead_interval(chosen))
                                   if planning.target is not None else None),
             "target": planning.target.name if planning.target is not None else None,
-            "baselines": rows, "plan_json": json.loads(chosen.to_json()),
+            "baselines": [asdict(r) for r in rows], "plan_json": json.loads(chosen.to_json()),
             **({"per_rank": asdict(planning.rank(chosen))} if planning.ranks else {})}
 
 

@@ -37,7 +37,7 @@ from rematlab.planning.compiled import CompiledCandidates, choose_compiled
 from rematlab.planning.options import PlanOptions, request
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
 from rematlab.planning.reserve import CardMemory, card_memory
-from rematlab.planning.verify import measure_planned, planned_step, strategy_table
+from rematlab.planning.verify import Baseline, measure_planned, planned_step, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.simulate import overhead, simulate
@@ -276,7 +276,7 @@ class Planning:
         planned = planned_step(self.structure, self.model, chosen, self.batch)
         return measure_planned(planned, self.costs, self.step)
 
-    def baselines(self, budget: int | None = None) -> list[dict]:
+    def baselines(self, budget: int | None = None) -> list[Baseline]:
         """Simulated peak and time of the fixed strategies this model can run."""
         return strategy_table(self.costs, budget, per_layer=self.structure.kind == "layers")
 

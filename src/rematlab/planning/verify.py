@@ -87,8 +87,23 @@ def step_peak(owner: nn.Module, run: Callable, batch: object, costs: ChainCosts,
     return max(memory.peak, costs.optimizer_peak)
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """A fixed strategy on one chain, simulated: its name, peak (bytes) and time (seconds),
+    its time overhead and peak over keeping everything, whether it fits the budget, and its
+    plan as `Plan.describe` writes it."""
+
+    strategy: str
+    peak: int
+    time: float
+    overhead: float
+    peak_ratio: float
+    fits: bool
+    plan: str
+
+
 def strategy_table(costs: ChainCosts, budget: int | None = None, per_layer: bool = False
-            ) -> list[dict]:
+                   ) -> list[Baseline]:
     """Simulated peak and time of the fixed strategies (and the best uniform count that fits
     `budget`) on one chain: the rows of `rematlab plan`'s comparison table. `per_layer`: a
     model running its own layer loop, where the baseline is every layer checkpointed
@@ -107,9 +122,8 @@ def strategy_table(costs: ChainCosts, budget: int | None = None, per_layer: bool
         fixed = [none_plan(n), best_uniform, sqrt_plan(n), selective_plan(costs)]
     for p in fixed:
         peak, time = simulate(p, costs)
-        rows.append({"strategy": p.name, "peak": peak, "time": time,
-                     "overhead": overhead(time, none_time), "peak_ratio": peak / none_peak,
-                     "fits": budget is None or peak <= budget, "plan": p.describe()})
+        rows.append(Baseline(p.name, peak, time, overhead(time, none_time), peak / none_peak,
+                             budget is None or peak <= budget, p.describe()))
     return rows
 
 

@@ -332,7 +332,7 @@ def _plan_row(planning: Planning, spec: Spec, budget: int, frac: float, full_tim
                        optimizer=spec.optimizer, precision=spec.precision))
     say(f"      {spec.model} b{batch} budget {budget / 2**20:.1f} MiB: {chosen.describe()}")
     uniform = next((r for r in planning.baselines(budget)
-                    if r["strategy"].startswith("uniform")), None)
+                    if r.strategy.startswith("uniform")), None)
     ok = obs.outcome == "ok"
     return {"model": spec.model, "input": spec.input, "batch": batch,
             "precision": spec.precision or "fp32",
@@ -343,6 +343,6 @@ def _plan_row(planning: Planning, spec: Spec, budget: int, frac: float, full_tim
             "predicted_overhead": overhead(chosen.predicted_time or 0.0, full_time),
             "step_s": obs.median() if ok else None,
             "trusted": obs.evidence.trusted if obs.evidence else None,
-            "uniform": uniform["strategy"] if uniform else None,
-            "uniform_fits": bool(uniform and uniform["fits"]),
-            "uniform_overhead": uniform["overhead"] if uniform else None}
+            "uniform": uniform.strategy if uniform else None,
+            "uniform_fits": bool(uniform and uniform.fits),
+            "uniform_overhead": uniform.overhead if uniform else None}
