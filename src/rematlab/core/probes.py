@@ -40,6 +40,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from rematlab.core.dispatch import OpCall, Recorded
 from rematlab.exceptions import SimulatedOOM
 
+CUDA_BLOCK = 512  # the CUDA caching allocator's smallest block, `kMinBlockSize`: its unit
+
 
 def rounded(nbytes: int, unit: int) -> int:
     """`nbytes` rounded up to a multiple of the allocator's block size `unit`."""
@@ -317,7 +319,7 @@ class StepMemory:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stats: CudaStats = stats if stats is not None else torch.cuda
-        self.tracker = LiveTensorTracker(cap, unit=512 if self.cuda else 1)
+        self.tracker = LiveTensorTracker(cap, unit=CUDA_BLOCK if self.cuda else 1)
         self.tensors_seen = tensors_seen and not self.cuda
         self.allocator = allocator_trace(device, self.stats)
         self.other = 0

@@ -17,7 +17,8 @@ kernels, `Target.context`) is outside the allocator altogether.
 
 from __future__ import annotations
 
-MIN_BLOCK = 512
+from rematlab.core.probes import CUDA_BLOCK as MIN_BLOCK  # the one definition: `kMinBlockSize`
+
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20
 LARGE_BUFFER = 20 << 20
