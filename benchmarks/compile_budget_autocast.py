@@ -1,0 +1,111 @@
+"""torch.compile's own activation budget against rematlab's plans, under bf16 autocast on this
+CPU (issue 50, item 3: the peer that recomputes inside the compiled graph).
+
+    .venv/bin/python benchmarks/compile_budget_autocast.py [--rounds 5]
+        [--out docs/benchmarks/compile-budget-autocast.md]
+
+GPT-2 and a Llama-style decoder (4 layers, width 256, 8 x 256 tokens), AdamW in bf16
+autocast (`Step(precision="bf16")`). For each `activation_memory_budget` fraction, the plain
+model compiled (`torch.compile(model)`, dynamo reset between fractions, since a fraction is
+read when a graph is compiled): its measured step peak (the planner's measurement, whose
+allocator trace sees inside compiled code) and its step time. Beside it, rematlab's eager
+choices at that peak as the budget: the op-level plan (`prepare(..., ops=True)`) and the
+per-layer plan. All times are medians of interleaved rounds of one side-by-side run per
+fraction (the compiled candidate and the eager ones, by the one timer under the interference
+guard), as ratios to the eager plain step measured in the same rounds. A candidate whose
+measured peak is above the compiled one is marked: the comparison is at an equal or lower
+peak. The models' key/value cache is off (`use_cache=False`, as training loops and
+transformers' own checkpointing set it), else dynamo recompiles the cache update per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from real_models import _side_by_side
+
+from benchmarks.publish import publish
+from rematlab.core import hostmem
+from rematlab.core.recipe import Step
+from rematlab.core.units import format_bytes
+from rematlab.exceptions import InfeasibleBudgetError
+from rematlab.planning.planner import prepare
+from rematlab.plans.plan import Plan
+from rematlab.remat.strategies import apply
+from tests import realzoo
+
+FRACTIONS = (0.0, 0.5, 1.0)
+MODELS = {"GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
+          "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256)}
+
+
+def _choice(planning, budget: int) -> Plan | None:
+    try:
+        return planning.choose(budget)
+    except InfeasibleBudgetError:
+        return None
+
+
+def bench(name: str, rounds: int, step: Step) -> list[str]:
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    model.train()
+    model.config.use_cache = False  # as training loops set it: no key/value cache to compile
+    ops = prepare(model, batch, step=step, ops=True)
+    layers = prepare(model, batch, step=step)
+    n = ops.costs.n
+    lines = [f"### {name}", "", "| fraction | candidate | plan | measured peak | "
+             "time / eager plain (± IQR) |", "|---|---|---|---|---|"]
+    for fraction in FRACTIONS:
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            peak = ops.measure(Plan(n, tuple(range(n)), compiled=True))
+            compiled = torch.compile(model, dynamic=False)
+            plans = {"op-level": _choice(ops, peak), "per-layer": _choice(layers, peak)}
+            runs = {"compiled": lambda fn=compiled: fn,
+                    **{k: (lambda p=p: apply(model, p)) for k, p in plans.items() if p}}
+            got, evidence = _side_by_side(runs, batch, model, rounds, step)
+        base = got["none"][0]
+        trust = "" if evidence.trusted else " (busy machine)"
+        lines.append(f"| {fraction:g} | torch.compile{trust} | `activation_memory_budget="
+                     f"{fraction:g}` | {format_bytes(peak)} | {got['compiled'][0] / base:.3f}x "
+                     f"±{got['compiled'][1]:.0%} |")
+        for label, plan in plans.items():
+            if plan is None:
+                lines.append(f"| {fraction:g} | rematlab {label} | none fits | — | — |")
+                continue
+            mine = plan.measured_peak or 0
+            mark = "" if mine <= peak else " (above)"
+            lines.append(f"| {fraction:g} | rematlab {label} | `{plan.describe()}` | "
+                         f"{format_bytes(mine)}{mark} | {got[label][0] / base:.3f}x "
+                         f"±{got[label][1]:.0%} |")
+    torch._dynamo.reset()
+    return [*lines, ""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    hostmem.own_process()
+    step = Step(precision="bf16", optimizer=torch.optim.AdamW)
+    lines = ["# torch.compile's activation budget against rematlab's plans (bf16 autocast)",
+             "", f"Produced by `python benchmarks/compile_budget_autocast.py --rounds "
+             f"{args.rounds}` (module docstring), torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads.", ""]
+    for name in MODELS:
+        lines += bench(name, args.rounds, step)
+        print("\n".join(lines[-6:]), flush=True)
+    publish("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
