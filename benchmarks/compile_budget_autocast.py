@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from op_level_autocast import MODELS, bf16_step
 from real_models import _side_by_side
 
 from benchmarks.publish import publish
@@ -39,11 +40,8 @@ from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.planning.planner import prepare
 from rematlab.plans.plan import Plan
 from rematlab.remat.strategies import apply
-from tests import realzoo
 
 FRACTIONS = (0.0, 0.5, 1.0)
-MODELS = {"GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
-          "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256)}
 
 
 def _choice(planning, budget: int) -> Plan | None:
@@ -96,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     hostmem.own_process()
-    step = Step(precision="bf16", optimizer=torch.optim.AdamW)
+    step = bf16_step()
     lines = ["# torch.compile's activation budget against rematlab's plans (bf16 autocast)",
              "", f"Produced by `python benchmarks/compile_budget_autocast.py --rounds "
              f"{args.rounds}` (module docstring), torch {torch.__version__}, "

@@ -60,6 +60,16 @@ def titan_plan(model, batch, step: Step, planning) -> Plan:
     return Plan(c.n, (*items, c.n - 1))
 
 
+# the models and the step of the bf16 benchmarks (this one, op_level_planning,
+# compile_budget_autocast): 4 layers, width 256, 8 x 256 tokens, AdamW under bf16 autocast
+MODELS = {"GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
+          "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256)}
+
+
+def bf16_step() -> Step:
+    return Step(precision="bf16", optimizer=torch.optim.AdamW)
+
+
 def bench(name: str, make, step: Step, rounds: int) -> list[str]:
     """One model's rows: at three budgets the op-level plan, the per-layer plan and
     transformers' `every_n_layers` (the largest that fits); every layer under each option of
@@ -114,14 +124,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     hostmem.own_process()
-    step = Step(precision="bf16", optimizer=torch.optim.AdamW)
-    models = {"GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
-              "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256)}
+    step = bf16_step()
     lines = ["# Op-level plans under bf16 autocast", "",
              f"Produced by `python benchmarks/op_level_autocast.py --rounds {args.rounds}` "
              f"(module docstring), torch {torch.__version__}, {torch.get_num_threads()} "
              "threads.", ""]
-    for name, make in models.items():
+    for name, make in MODELS.items():
         lines += bench(name, make, step, args.rounds)
     publish("\n".join(lines) + "\n", args.out)
 

@@ -25,19 +25,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from op_level_autocast import MODELS as AUTOCAST_MODELS
+from op_level_autocast import bf16_step
 
 from benchmarks.publish import publish
-from rematlab.core.recipe import Step
 from rematlab.planning.planner import prepare
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.simulate import simulate
 from tests import realzoo
 
-MODELS = {
-    "GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
-    "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256),
-    "BERT": lambda: realzoo.bert(batch=8, seq=256, layers=4, width=256),
-}
+MODELS = {**AUTOCAST_MODELS,
+          "BERT": lambda: realzoo.bert(batch=8, seq=256, layers=4, width=256)}
 FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -51,7 +51,7 @@ def bench(name: str, rounds: int) -> list[str]:
     torch.manual_seed(0)
     model, batch = MODELS[name]()
     model.train()
-    step = Step(precision="bf16", optimizer=torch.optim.AdamW)
+    step = bf16_step()
     ratios, seconds = [], {"ops": [], "layers": []}
     for _ in range(rounds):
         t_ops, ops = _timed(lambda: prepare(model, batch, step=step, ops=True, verify=False))
