@@ -24,7 +24,6 @@ checkpointing set it), else dynamo recompiles the cache update per layer.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,11 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from op_level_autocast import MODELS, bf16_step
+from op_level_autocast import bf16_main
 from real_models import _side_by_side
 
-from benchmarks.publish import publish
-from rematlab.core import hostmem
 from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
@@ -75,9 +72,9 @@ def _ready(model, plan: Plan):
     return lambda: fn
 
 
-def bench(name: str, rounds: int, step: Step) -> list[str]:
+def bench(name: str, make, step: Step, rounds: int) -> list[str]:
     torch.manual_seed(0)
-    model, batch = MODELS[name]()
+    model, batch = make()
     model.train()
     model.config.use_cache = False  # as training loops set it: no key/value cache to compile
     ops = prepare(model, batch, step=step, ops=True)
@@ -116,20 +113,8 @@ def bench(name: str, rounds: int, step: Step) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    hostmem.own_process()
-    step = bf16_step()
-    lines = ["# torch.compile's activation budget against rematlab's plans (bf16 autocast)",
-             "", f"Produced by `python benchmarks/compile_budget_autocast.py --rounds "
-             f"{args.rounds}` (module docstring), torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads.", ""]
-    for name in MODELS:
-        lines += bench(name, args.rounds, step)
-        print("\n".join(lines[-6:]), flush=True)
-    publish("\n".join(lines) + "\n", args.out)
+    bf16_main(__doc__, "torch.compile's activation budget against rematlab's plans (bf16 "
+              "autocast)", "compile_budget_autocast.py", bench)
 
 
 if __name__ == "__main__":

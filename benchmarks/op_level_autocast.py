@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,20 +119,29 @@ def bench(name: str, make, step: Step, rounds: int) -> list[str]:
     return [*lines, ""]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+def bf16_main(doc: str, title: str, script: str, bench: Callable[..., list[str]],
+              models: dict = MODELS, rounds: int = 5, own_memory: bool = True) -> None:
+    """The bf16 benchmarks' command line (`--rounds`, `--out`): `bench(name, make, step,
+    rounds)`'s rows for each of `models` under a header that names the command; with
+    `own_memory`, the process keeps the memory it frees (`rematlab.core.hostmem`)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    hostmem.own_process()
+    if own_memory:
+        hostmem.own_process()
     step = bf16_step()
-    lines = ["# Op-level plans under bf16 autocast", "",
-             f"Produced by `python benchmarks/op_level_autocast.py --rounds {args.rounds}` "
+    lines = [f"# {title}", "",
+             f"Produced by `python benchmarks/{script} --rounds {args.rounds}` "
              f"(module docstring), torch {torch.__version__}, {torch.get_num_threads()} "
              "threads.", ""]
-    for name, make in MODELS.items():
+    for name, make in models.items():
         lines += bench(name, make, step, args.rounds)
     publish("\n".join(lines) + "\n", args.out)
+
+
+def main() -> None:
+    bf16_main(__doc__, "Op-level plans under bf16 autocast", "op_level_autocast.py", bench)
 
 
 if __name__ == "__main__":

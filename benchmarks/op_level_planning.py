@@ -16,7 +16,6 @@ table gives each plan's simulated time over the plain step's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -28,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from op_level_autocast import MODELS as AUTOCAST_MODELS
-from op_level_autocast import bf16_step
+from op_level_autocast import bf16_main
 
-from benchmarks.publish import publish
+from rematlab.core.recipe import Step
 from rematlab.planning.planner import prepare
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.simulate import simulate
@@ -47,11 +46,10 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
-def bench(name: str, rounds: int) -> list[str]:
+def bench(name: str, make, step: Step, rounds: int) -> list[str]:
     torch.manual_seed(0)
-    model, batch = MODELS[name]()
+    model, batch = make()
     model.train()
-    step = bf16_step()
     ratios, seconds = [], {"ops": [], "layers": []}
     for _ in range(rounds):
         t_ops, ops = _timed(lambda: prepare(model, batch, step=step, ops=True, verify=False))
@@ -76,18 +74,8 @@ def bench(name: str, rounds: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    lines = ["# Op-level menus: planning time and what they buy (bf16 autocast)", "",
-             f"Produced by `python benchmarks/op_level_planning.py --rounds {args.rounds}` "
-             f"(module docstring), torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads.", ""]
-    for name in MODELS:
-        lines += bench(name, args.rounds)
-        print("\n".join(lines[-12:]), flush=True)
-    publish("\n".join(lines) + "\n", args.out)
+    bf16_main(__doc__, "Op-level menus: planning time and what they buy (bf16 autocast)",
+              "op_level_planning.py", bench, MODELS, rounds=3, own_memory=False)
 
 
 if __name__ == "__main__":
