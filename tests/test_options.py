@@ -25,7 +25,7 @@ from tests import clirun
     ({"verify": 1}, "verify must be True or False"),
     ({"fractions": (0.5, 2.0)}, "fractions must be a list of numbers in [0, 1]"),
     ({"fractions": "0.5"}, "fractions must be a list"),
-    ({"repeats": 0}, "repeats must be a whole number"),
+    ({"repeats": 0}, "repeats must be between 1 and 10000, got 0"),
     ({"repeats": True}, "repeats must be a whole number"),
     ({"device": 3}, "device must be a name or a torch.device"),
 ])

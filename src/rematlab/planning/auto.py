@@ -66,7 +66,6 @@ class AutoRemat(nn.Module):
         self.options, self.step = request(options, step, keywords)  # plan's keywords too
         self.recheck_s = recheck_s
         self.shape_buckets = shape_buckets
-        self._blocks = self.options.blocks
         self.plans: dict[tuple, nn.Module] = {}  # by bucket: (dtypes and devices, shapes)
         self.events: list[Replan] = []
         self._buckets = ShapeBuckets()
@@ -183,7 +182,8 @@ class AutoRemat(nn.Module):
         chosen = planning.choose(derived.nbytes)
         self._chosen[key], self._state[key] = chosen, planning.costs.state
         self._profiled[key] = shapes_of(example)
-        self.plans[key] = apply(self.model, chosen, blocks=self._blocks, example_input=example)
+        self.plans[key] = apply(self.model, chosen, blocks=self.options.blocks,
+                                example_input=example)
         event = Replan(shapes_of(batch), reason, derived.nbytes, chosen.describe(),
                        chosen.measured_peak or chosen.predicted_peak or 0, shapes_of(example))
         self.events.append(event)

@@ -68,7 +68,7 @@ class _Searcher:
     def __init__(self, model: nn.Module, make: Callable[[int], Batch], start: int, limit: int,
                  budget: str | int, step: Step, options: PlanOptions) -> None:
         self.model, self.make, self.start, self.limit = model, make, start, limit
-        self.step, self.options, self.blocks = step, options, options.blocks
+        self.step, self.options = step, options
         # predicted for a resolved target, nothing measured (`rematlab.preflight`)
         self.target = options.target if options.predict else None
         self.device = next(tensors(make(1))).device
@@ -245,7 +245,8 @@ class _Searcher:
                 continue
             chosen = self.chosen.get(fit.batch) if fit.case == "optimal" else None
             run = self.model if chosen is None else apply(
-                self.model, chosen, blocks=self.blocks, example_input=self.make(fit.batch))
+                self.model, chosen, blocks=self.options.blocks,
+                example_input=self.make(fit.batch))
             runs[fit.case] = (run, lambda b=fit.batch: self.make(b))
         timing = side_by_side(self.model, runs, self.step, warmup, repeats)
         self.evidence = timing.evidence

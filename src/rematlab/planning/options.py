@@ -19,14 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from rematlab.core.checks import bounded
 from rematlab.core.recipe import Step, as_step
 from rematlab.exceptions import ConfigError
+from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.preflight.targets import Target
 from rematlab.remat.profiling import COMPILED_NOT_PREDICTED
 
 FRACTIONS = (0.0, 0.5, 1.0)  # each costs a compile and a timing run: a few, 0 and 1 among them
 STEP_KEYWORDS = ("optimizer", "loss_fn")  # shorthand for step=Step(optimizer=..., loss_fn=...)
-MAX_REPEATS = 1000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,10 +73,10 @@ class PlanOptions:
                               f"{fractions!r}")
         object.__setattr__(self, "fractions", tuple(float(f) for f in fractions))
         repeats = self.repeats
-        if repeats is not None and (not isinstance(repeats, int) or isinstance(repeats, bool)
-                                    or not 1 <= repeats <= MAX_REPEATS):
-            raise ConfigError(f"repeats must be a whole number in [1, {MAX_REPEATS}], got "
-                              f"{repeats!r}")
+        if repeats is not None:
+            if not isinstance(repeats, int) or isinstance(repeats, bool):
+                raise ConfigError(f"repeats must be a whole number, got {repeats!r}")
+            bounded("repeats", repeats, MAX_REPEATS)
 
     def repeats_on(self, device: torch.device) -> int:
         """Timed runs per profiled block on `device`: one on a CPU (its steps are long), three
@@ -101,6 +102,5 @@ def request(options: PlanOptions | None, step: Step | None, keywords: dict[str, 
         raise ConfigError(f"unknown keyword(s) {', '.join(unknown)}; planning takes "
                           f"{', '.join(sorted(NAMES | set(STEP_KEYWORDS)))} and step")
     changes = {k: v for k, v in keywords.items() if k in NAMES}
-    opts = replace(options or PlanOptions(), **changes) if changes else (options
-                                                                         or PlanOptions())
+    opts = replace(options or PlanOptions(), **changes)  # validated again when changed
     return opts, as_step(step, **{k: keywords[k] for k in STEP_KEYWORDS if k in keywords})
