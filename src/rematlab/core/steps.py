@@ -26,6 +26,7 @@ from torch import nn
 
 from rematlab.core.batch import Batch, call, first_float
 from rematlab.core.checks import one_line, user_code
+from rematlab.core.dispatch import OpCall, Recorded
 from rematlab.exceptions import ConfigError, OutOfMemory, SimulatedOOM
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # loss_fn(output, batch), as the user gives it
@@ -147,13 +148,34 @@ def runs_on(model: nn.Module, run: Callable, batch: Batch, name: str) -> None:
     """One no-grad forward of `run` on `batch`, `model`'s state restored: a model that cannot
     take the batch (wrong shape, dtype, vocabulary, device) is bad input, said in one line,
     before anything is profiled or measured. Running out of memory is passed on as it is."""
+    devices = _Devices() if _cuda_unreachable() else None
     try:
-        with torch.no_grad(), preserved(model):
+        with torch.no_grad(), preserved(model), devices or contextlib.nullcontext():
             call(run, batch)
     except Exception as exc:
         if is_oom(exc):
             raise
         raise ConfigError(f"{name} fails on the batch: {one_line(exc)}"[:300]) from exc
+    if devices is not None and "cuda" in devices.types:
+        raise ConfigError(f"{name} fails on the batch: it moves tensors to cuda, and torch "
+                          "finds no CUDA/ROCm device on this machine")
+
+
+def _cuda_unreachable() -> bool:
+    """A CUDA build of torch on a machine without a GPU: there a fake tensor (pre-flight) goes
+    to `cuda` without complaint, and only its backward fails, inside autograd's engine; a
+    CPU build refuses at once."""
+    return torch.backends.cuda.is_built() and not torch.cuda.is_available()
+
+
+class _Devices(Recorded):
+    """The device types the ops of a run put tensors on."""
+
+    def __init__(self) -> None:
+        self.types: set[str] = set()
+
+    def on_op(self, call: OpCall) -> None:
+        self.types.update(t.device.type for t in call.outs)
 
 
 def unit_loss(out: torch.Tensor) -> torch.Tensor:

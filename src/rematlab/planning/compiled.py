@@ -22,7 +22,6 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-import torch
 from torch import nn
 
 from rematlab.core.batch import tensors
@@ -34,7 +33,7 @@ from rematlab.planning.verify import PlannedStep, measure_planned, planned_step
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
 from rematlab.plans.solver import Solution
-from rematlab.remat.compiled_budget import global_fraction, settings
+from rematlab.remat.compiled_budget import fresh_graphs, global_fraction, settings
 from rematlab.remat.outer import one_pass
 from rematlab.remat.structure import Structure
 
@@ -117,7 +116,7 @@ class CompiledCandidates:
         planned = planned_step(planning.structure, planning.model, replace(plan, compiled=True),
                                planning.batch)
         t0 = time.perf_counter()
-        torch._dynamo.reset()  # its own graphs, not another candidate's (module docstring)
+        fresh_graphs()  # its own graphs, not another candidate's (module docstring)
         try:
             peak = measure_planned(planned, planning.costs, planning.step)
         except Exception as exc:  # dynamo, the partitioner, a budget torch refuses

@@ -46,7 +46,7 @@ from rematlab.preflight.cards import blas_resident, device_blas_workspace
 from rematlab.preflight.targets import Target
 from rematlab.remat.block import compiling
 from rematlab.remat.chain import profile_chain
-from rematlab.remat.compiled_budget import settings
+from rematlab.remat.compiled_budget import fresh_graphs, settings
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.profiling import Profiling
 from rematlab.remat.structure import Structure, structure
@@ -273,6 +273,8 @@ class Planning:
         whole step, sharded (`RankEngine`: measured, or on a fake group when predicted)."""
         if self.ranks is not None:
             return self.ranks.peak(chosen).peak
+        if chosen.compiled:  # its own graphs, as each candidate was measured (`compiled`)
+            fresh_graphs()
         planned = planned_step(self.structure, self.model, chosen, self.batch)
         return measure_planned(planned, self.costs, self.step)
 

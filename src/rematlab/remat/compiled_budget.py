@@ -21,9 +21,11 @@ fraction decides only for the kept blocks.
 Dynamo keeps one compiled graph per code object and guards, and its guards on a model do not
 tell apart copies that share every submodule (`rematlab.apply`'s, or the original): a graph
 break inside the model makes the model's own forward the frame it caches, and a second copy
-compiled under another budget in the same process reuses the first one's graph. Compile one
-planned copy of a model per process; rematlab measures each candidate after
-`torch._dynamo.reset()` (`rematlab.planning.compiled`).
+compiled under another budget in the same process reuses the first one's graph (torch 2.11
+does so even without a graph break; 2.13 recompiles there). Compile one planned copy of a
+model per process; rematlab measures each candidate after `torch._dynamo.reset()`
+(`rematlab.planning.compiled`), and `rematlab.apply` of a compiled plan resets too
+(`fresh_graphs`), so that no candidate measured while planning stands in for the plan.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def check(fraction: float | None, recorded: dict | None) -> None:
         raise ConfigError("this compiled plan was measured with torch.compile's "
                           f"activation_memory_budget {recorded.get('activation_memory_budget')}"
                           f", it would run under {budget}: plan again, or restore it")
+
+
+def fresh_graphs() -> None:
+    """Drop the graphs dynamo keeps (module docstring): the next compile of the planned model
+    partitions under the plan's own budget."""
+    torch._dynamo.reset()
 
 
 def budgeted(fraction: float | None, fn: Callable[..., Any], *args: Any, **kwargs: Any

@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    _CachedTorchDispatchMode,
     _CachingTorchDispatchMode,
+    create_selective_checkpoint_contexts,
 )
 
 from rematlab.exceptions import ConfigError
@@ -49,7 +49,9 @@ class SavePolicy:
     `saves` must be saved, every other op is recomputed. Occurrences are counted separately
     in the forward and in its recomputation; the forward's op sequence is kept so that
     `check` can refuse a plan made for other code. `record`, when given, is called with
-    each forward op's name and output (how the compiled menu learns the traced sequence)."""
+    each forward op and its output (how the compiled menu learns the traced sequence): by
+    the forward's mode (`_CheckedForward`), which sees the output on every torch; torch 2.11's
+    policy is asked before the op runs, and its context has no `op_output`."""
 
     def __init__(self, saves: Saves, sequence: str, where: str,
                  record: Callable[[Any, Any], None] | None = None) -> None:
@@ -69,8 +71,6 @@ class SavePolicy:
         counts[name] += 1
         if not ctx.is_recompute:
             self.seen.append(name)
-            if self.record is not None:
-                self.record(func, ctx.op_output)
         return (CheckpointPolicy.MUST_SAVE if key in self.saves
                 else CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -94,7 +94,15 @@ class SavePolicy:
 
 class _CheckedForward(_CachingTorchDispatchMode):
     """Selective checkpointing's forward mode that checks its policy when the forward ends
-    (under compile, the end of the traced forward: no Python runs after the compiled one)."""
+    (under compile, the end of the traced forward: no Python runs after the compiled one),
+    and hands the policy's `record` each op the policy named, with its output."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        named = len(self.policy_fn.seen)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.policy_fn.record is not None and len(self.policy_fn.seen) > named:
+            self.policy_fn.record(func, out)
+        return out
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
@@ -126,8 +134,10 @@ def compiled_contexts(saves: Saves, sequence: str, where: str) -> tuple:
         _traces.append([])
         record = lambda func, out, into=_traces[-1]: into.append((func, out))  # noqa: E731
     policy = SavePolicy(saves, sequence, where, record)
-    storage: defaultdict[Any, dict[int, Any]] = defaultdict(dict)  # as torch's own
-    return _CheckedForward(policy, storage), _CachedTorchDispatchMode(None, storage, False)
+    # torch's own pair (its storage's layout and its recompute mode vary between releases),
+    # with the forward mode swapped for the checking one over the same storage
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return _CheckedForward(policy, forward.storage), recompute
 
 
 def compiled_context_fn(saves: Saves, sequence: str, where: str) -> Callable[[], tuple]:

@@ -201,6 +201,8 @@ def apply(
     strat = as_strategy(strategy)
     if isinstance(strat, Plan):  # a compiled plan holds under its measured settings only
         compiled_budget.check(strat.fraction, strat.compile_settings)
+        if strat.compiled:
+            compiled_budget.fresh_graphs()
     if st.kind == "layers":
         chosen = layer_plan(strat, st, model, example_input)
         return attach(model, LayerRemat(st.blocks, chosen))
