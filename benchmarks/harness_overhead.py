@@ -3,12 +3,13 @@ configuration, in process (no worker, no database), with each stage of the proto
 
     .venv/bin/python benchmarks/harness_overhead.py
 
-Stages (`rematlab.measurement.measure`): building the model and batch (`_Setup`), the step
-that counts FLOPs (`_Counted`, once per shape; a later configuration of the same shape runs
-a plain first step instead, which makes the optimizer's state), the tracked step (`_Tracked`:
-the step's peak), and the timer (warm-up left over, the guard's calibration kernel, the
-repeats). `measured` is what the study calls measured: the timed repeats alone. Run it on a
-quiet machine: the guard waits for quiet otherwise, and the timer's share then includes it.
+Stages (`rematlab.measurement.measure`): building the model and batch (`_Setup.build`), the
+count of FLOPs and saved bytes (`_counted`: on the configuration's fake twin, once per shape),
+the optimizer's state (`_optimizer_state`: a zero-gradient update at rate 0), the tracked step
+(`_Tracked`: the step's peak, the first real step), and the timer (warm-up left over, the
+guard's calibration kernel, the repeats). `measured` is what the study calls measured: the
+timed repeats alone. Run it on a quiet machine: the guard waits for quiet otherwise, and the
+timer's share then includes it.
 """
 
 from __future__ import annotations
@@ -44,22 +45,22 @@ def _timing(spent: dict[str, float], owner: object, name: str, label: str) -> No
 
 def main() -> None:
     spent: dict[str, float] = {}
-    _timing(spent, protocol, "_Setup", "setup")
-    _timing(spent, protocol._Counted, "run", "counted step")
+    _timing(spent, protocol._Setup, "build", "setup")
+    _timing(spent, protocol, "_counted", "count")
+    _timing(spent, protocol, "_optimizer_state", "state")
     _timing(spent, protocol._Tracked, "run", "tracked step")
     _timing(spent, timer_module.Timer, "run", "timer")
-    print("| configuration | wall | measured | outside the repeats | setup | counted step | "
-          "tracked step | timer |")
-    print("|---|---|---|---|---|---|---|---|")
+    stages = ("setup", "count", "state", "tracked step", "timer")
+    print(f"| configuration | wall | measured | outside the repeats | {' | '.join(stages)} |")
+    print("|---|---|---|---|" + "---|" * len(stages))
     for model, batch, scale in CONFIGS:
         for strategy in ("none", "sqrt"):
             spent.clear()
             t0 = time.perf_counter()
             obs = protocol.measure(Spec(model=model, batch=batch, input=scale,
-                                        strategy=strategy, warmup=2, repeats=3, threads=2))
+                                        strategy=strategy, warmup=1, repeats=3, threads=2))
             wall = time.perf_counter() - t0
-            cells = " | ".join(f"{spent.get(k, 0.0):.2f} s" for k in
-                               ("setup", "counted step", "tracked step", "timer"))
+            cells = " | ".join(f"{spent.get(k, 0.0):.2f} s" for k in stages)
             print(f"| {model} b{batch} {strategy} | {wall:.2f} s | {obs.measured_seconds:.2f} s "
                   f"| {1 - obs.measured_seconds / wall:.0%} | {cells} |", flush=True)
 

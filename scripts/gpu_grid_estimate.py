@@ -6,9 +6,10 @@ profile, and the harness's own seconds per configuration.
 
 Per (model, input, batch, dtype, optimizer) the step is predicted once on the target's
 roofline (`rematlab.prepare(..., predict=True, target=...)`, built on the meta device), and
-each strategy's time from those costs (`simulate`). A configuration runs its warm-up steps, one
-tracked step (peak) and one counted (FLOPs), then `repeats` repeats, each of at least
-`min_repeat_s` of steps and the guard's calibration kernel. `--harness-s` is what a warm
+each strategy's time from those costs (`simulate`). A configuration runs `warmup` untimed
+steps, the tracked one (peak) first (FLOPs are counted on fake tensors, with no step), then
+`repeats` repeats, each of at least `min_repeat_s` of steps and the guard's calibration
+kernel. `--harness-s` is what a warm
 worker spends per configuration outside its steps (building the model, tracking, writing the
 row): measured on the 2-core CPU as (wall - measured - waited) / measurements of a
 48-configuration MLP-3 / LeNet-5 sweep (`min_repeat_s` 5 ms; 57 measurements, re-measured
@@ -60,7 +61,8 @@ def main() -> None:
         strat = parse(spec.strategy)
         step_s = simulate(strat.build(c.n, c if strat.needs_costs else None), c)[1]
         calls = max(1, math.ceil(least / step_s)) if step_s > 0 else 1
-        run_s = (spec.warmup + 2) * step_s + spec.repeats * (calls * step_s + CALIBRATION_S)
+        # untimed: the tracked step and warmup - 1 more (FLOPs are counted on fakes, no step)
+        run_s = spec.warmup * step_s + spec.repeats * (calls * step_s + CALIBRATION_S)
         seconds[spec.model + (f"/{spec.input}" if spec.input else "")] += run_s
     total_steps = sum(seconds.values())
     harness = args.harness_s * grid.size()

@@ -62,7 +62,8 @@ def measure(
     optimizer: Annotated[str, typer.Option(help=", ".join(OPTIMIZERS))] = "momentum",
     precision: Annotated[str, typer.Option(
         help="fp32, bf16 or fp16: the step's autocast (fp16 with a GradScaler)")] = "fp32",
-    warmup: int = 2,
+    warmup: Annotated[int, typer.Option(
+        help="untimed steps before the repeats; the first is the tracked step")] = 1,
     repeats: int = 5,
     max_memory: Annotated[str | None, typer.Option(help="cap, e.g. 512MiB: above it, oom")] = None,
     threads: int | None = None,

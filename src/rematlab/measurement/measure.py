@@ -1,26 +1,32 @@
 """Measure one training configuration: a frozen `Spec` in, an `Observation` out.
 
 A step is forward, cross-entropy loss, backward (which includes recomputation) and an
-optimizer step, on synthetic data. The steps, in order:
+optimizer step, on synthetic data. The protocol, in order:
 
-1. the first step counts FLOPs (forward, backward, of which recomputation) and the bytes
-   saved for backward — once per shape: configurations that differ only in optimizer or
-   run settings reuse the count (`FlopCounterMode` counts no optimizer update: elementwise);
-   with a `max_memory` cap a tracked, capped step goes first, so an OOM stops the run early;
-2. one *tracked* step: the peak memory of the whole step with the optimizer state present
-   (CUDA: allocator peak after a reset; CPU: the larger of the live-tensor tracker and the
-   allocator's events — see `rematlab.core.probes`), per phase. Byte counts do not vary between
-   identical steps, so one tracked step is all the figure needs;
-3. `warmup - 2` more untimed steps;
-4. `repeats` *timed* repeats under `rematlab.core.guard`: a calibration kernel, then as many steps
+1. FLOPs (forward, backward, of which recomputation) and the bytes saved for backward are
+   counted on the configuration's fake twin (`rematlab.preflight.fake`: every op's shapes,
+   dtypes and storages, no data, no kernel), once per shape: configurations that differ only
+   in optimizer or run settings reuse the count (`FlopCounterMode` counts no optimizer update).
+   A model fake tensors cannot run (data-dependent code) is counted on a real first step.
+2. The optimizer's state is made as its first step makes it, by a step that changes nothing:
+   zero gradients at learning rate 0 (`_optimizer_state`).
+3. One *tracked* step, the first real one: the peak memory of the whole step with the
+   optimizer state present (CUDA: allocator peak after a reset, its BLAS workspaces
+   allocated inside it; CPU: the larger of the live-tensor tracker and the allocator's events
+   — see `rematlab.core.probes`), per phase. Byte counts do not vary between identical steps,
+   so one tracked step is all the figure needs. With a `max_memory` cap it is capped, so an
+   OOM stops the run before anything is timed.
+4. `warmup - 1` more untimed steps (the tracked step is the warm-up's first).
+5. `repeats` *timed* repeats under `rematlab.core.guard`: a calibration kernel, then as many steps
    as last `MIN_REPEAT_SECONDS` (their mean is the repeat), device-synchronised clock around
    each phase (CUDA events on GPU), nothing else on. A disturbed repeat is measured again, a
    bounded number of times; the evidence goes into every row.
 
-Counting and tracking happen in steps of their own: counting recomputation keeps recomputed
-tensors alive longer (a tracked step that also counted peaked 4-50 % higher under remat, see
-docs/design.md) and the CPU tracker's per-op bookkeeping would inflate the times. The two
-untimed steps are the warm-up's first two.
+Counting never happens in the tracked step: counting recomputation keeps recomputed tensors
+alive longer (a tracked step that also counted peaked 4-50 % higher under remat, see
+docs/design.md) and the CPU tracker's per-op bookkeeping would inflate the times. Counting on
+fakes rather than in a real step of its own is what keeps the protocol's untimed work to one
+step a configuration (issue 51: it was two, 34-48 % of a CPU configuration's time).
 Out-of-memory — real, or past the `max_memory` cap that emulates a smaller device — is an
 outcome, `oom`, not a crash.
 """
@@ -30,13 +36,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from rematlab.core import flops as flop_count
-from rematlab.core.batch import DTYPES, cast, make_example, tensors
-from rematlab.core.clocks import Clock, clock_for
+from rematlab.core.batch import DTYPES, Batch, cast, make_example, tensors
+from rematlab.core.clocks import Clock, WallClock, clock_for
 from rematlab.core.guard import MAX_WAIT_S, Guard
 from rematlab.core.optimizers import make_optimizer
 from rematlab.core.probes import (
@@ -52,23 +60,18 @@ from rematlab.core.timer import MIN_REPEAT_SECONDS, Timer
 from rematlab.exceptions import ConfigError, SimulatedOOM
 from rematlab.measurement import zoo
 from rematlab.measurement.spec import Observation, Spec, available, environment, parse_device
+from rematlab.preflight.fake import FakeSession
 from rematlab.remat import strategies
 from rematlab.remat.layers import remat_of
 
 
 class _Setup:
-    """Model, optimizer and synthetic batch of one configuration, on its device; `remat` is
-    the runner of the plan (its blocks, plan and recompute stats), `run` the model to call."""
+    """Model, optimizer and synthetic batch of one configuration; `remat` is the runner of
+    the plan (its blocks, plan and recompute stats), `run` the model to call. `build` makes
+    it on its device, `fake` its fake twin."""
 
-    def __init__(self, spec: Spec, device: torch.device, clock: Clock) -> None:
-        self.spec = spec
-        dtype = DTYPES[spec.dtype]
-        torch.manual_seed(spec.seed)
-        model, shape, _ = zoo.resolve(spec.model, spec.input, spec.input_shape)
-        self.model = model.to(device=device, dtype=dtype).train()
-        self.batch = cast(make_example(spec.batch, shape, input_dtype=spec.input_dtype or
-                                       "float32", vocab=spec.vocab, example=spec.example,
-                                       device=device, seed=spec.seed), dtype)
+    def __init__(self, spec: Spec, model: nn.Module, batch: Batch, clock: Clock) -> None:
+        self.spec, self.model, self.batch = spec, model, batch
         self.run = strategies.apply(self.model, spec.strategy, blocks=spec.blocks,
                                     example_input=self.batch)
         self.remat = self.run if isinstance(self.run, strategies.RematChain) else \
@@ -78,6 +81,22 @@ class _Setup:
         self.remat.recompute.clock = copy.copy(clock)
         self.opt = make_optimizer(spec.optimizer, self.model.parameters())
         self.step = Step(precision=spec.precision, optimizer=spec.optimizer)
+
+    @classmethod
+    def build(cls, spec: Spec, device: torch.device, clock: Clock) -> _Setup:
+        dtype = DTYPES[spec.dtype]
+        torch.manual_seed(spec.seed)
+        model, shape, _ = zoo.resolve(spec.model, spec.input, spec.input_shape)
+        batch = cast(make_example(spec.batch, shape, input_dtype=spec.input_dtype or "float32",
+                                  vocab=spec.vocab, example=spec.example, device=device,
+                                  seed=spec.seed), dtype)
+        return cls(spec, model.to(device=device, dtype=dtype).train(), batch, clock)
+
+    def fake(self, session: FakeSession) -> _Setup:
+        """The same configuration on fake twins of its model and batch (run it inside
+        `session.active()`), timed by the wall clock: no kernel runs to synchronise."""
+        return _Setup(self.spec, session.model(self.model), session.batch(self.batch),
+                      WallClock())
 
     def persistent(self) -> list[torch.Tensor]:
         state = [t for s in self.opt.state.values() for t in s.values()
@@ -110,16 +129,53 @@ class _Tracked:
     def __init__(self, s: _Setup, memory: MemoryProbe, cap: int | None) -> None:
         self.s, self.memory, self.cap = s, memory, cap
         self.phase_peaks: dict[str, int] = {}
+        self.seconds = 0.0
 
     def run(self, clock: Clock) -> tuple[int, int]:
-        """Peak and reserved bytes of one step."""
+        """Peak and reserved bytes of one step; `seconds` its wall time (it measures the
+        peak, so the sweep counts it as measuring, not as harness)."""
         self.s.opt.zero_grad(set_to_none=True)  # the step starts without last step's grads
+        t0 = time.perf_counter()
         peak_of(self.memory, self.s.persistent(), lambda phase: _step(self.s, clock, phase))
+        self.seconds = time.perf_counter() - t0
         self.phase_peaks = dict(self.memory.phase_peaks)
         peak = self.memory.peak
         if self.cap is not None and peak > self.cap:
             raise SimulatedOOM(f"peak {peak} exceeds the cap {self.cap}")
         return peak, self.memory.reserved
+
+
+def _counted(s: _Setup) -> dict[str, float]:
+    """The configuration's FLOPs and saved bytes (module docstring, step 1): counted on its
+    fake twin, or on a real step where fakes cannot run the model, which then leaves the
+    optimizer state made (a real step counted is not the tracked step either way)."""
+    session = FakeSession(cuda=parse_device(s.spec.device).type == "cuda")
+    try:
+        with session.active():
+            return _Counted(s.fake(session)).run(WallClock())
+    except Exception:  # data-dependent code (`.item()`, `nonzero`): fakes have no values
+        return _Counted(s).run(s.remat.recompute.clock)
+
+
+def _optimizer_state(s: _Setup) -> None:
+    """Make the optimizer's state as a first step would (module docstring, step 2): one
+    update from zero gradients at learning rate 0, which moves no parameter (momentum, Adam's
+    moments, AdamW's decay and `MixedAdamW`'s master copy all scale by the rate), so the
+    tracked step is the first real one and finds the state present, as every later step."""
+    if s.opt.state:
+        return  # a real counted step made it
+    params = [p for group in s.opt.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    rates = [group["lr"] for group in s.opt.param_groups]
+    try:
+        for group in s.opt.param_groups:
+            group["lr"] = 0.0
+        s.opt.step()
+    finally:
+        for group, rate in zip(s.opt.param_groups, rates, strict=True):
+            group["lr"] = rate
+        s.opt.zero_grad(set_to_none=True)
 
 
 class _Counted:
@@ -222,33 +278,32 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
         "time": f"{type(clock).__name__}, device-synchronised, per phase; median and IQR "
                 f"of {spec.repeats} repeats after {spec.warmup} warm-up steps, each repeat the "
                 f"mean of the steps that last {least:g} s (steps_per_repeat)",
-        "peak": f"{memory(device, None).method}, one tracked step after the first",
-        "flops": "torch.utils.flop_counter.FlopCounterMode, first step, once per shape",
+        "peak": f"{memory(device, None).method}, one tracked step, the first (the "
+                "optimizer's state made before it by a zero-gradient update at rate 0)",
+        "flops": "torch.utils.flop_counter.FlopCounterMode on the step's fake twin (a real "
+                 "step where fakes cannot run the model), once per shape",
         "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
                  "buffers and the input batch excluded",
         "guard": guard.describe(),
     }
     setup = None
     try:
-        setup = _Setup(spec, device, clock)
+        setup = _Setup.build(spec, device, clock)
         if not _zoo_input(spec):  # a zoo model's own input always fits it
             runs_on(setup.model, setup.run, setup.batch, spec.model)
-        if spec.max_memory is not None:
-            _Tracked(setup, memory(device, spec.max_memory), spec.max_memory).run(clock)
         counted = _COUNTED.get(_count_key(spec))
         if counted is None:
-            counted = _COUNTED[_count_key(spec)] = _Counted(setup).run(clock)
-        elif spec.max_memory is None:
-            _step(setup, clock)  # the first step makes the optimizer state
+            counted = _COUNTED[_count_key(spec)] = _counted(setup)
+        _optimizer_state(setup)
         tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory)
         peak, reserved = tracked.run(clock)
         timing = Timer(device, clock, guard, min_repeat_s=least).run(
-            functools.partial(_step, setup), spec.repeats, warmup=spec.warmup - 2)
+            functools.partial(_step, setup), spec.repeats, warmup=spec.warmup - 1)
         kept, obs.evidence = timing.kept, timing.evidence
         obs.times = {phase: [k.times[phase] for k in kept] for phase in kept[0].times}
         obs.steps, obs.calibration = [k.steps for k in kept], [k.calibration for k in kept]
         obs.peaks, obs.reserved, obs.phase_peaks = [peak], [reserved], tracked.phase_peaks
-        obs.measured_seconds = timing.measured_s
+        obs.measured_seconds = timing.measured_s + tracked.seconds
         obs.figures = {**_figures(setup), **counted}
     except ConfigError:
         raise

@@ -125,7 +125,7 @@ class Grid(BaseModel):
     optimizers: list[str] = Field(default_factory=lambda: ["momentum"], min_length=1)
     # the step's autocast (`rematlab.Step`): fp32, bf16, fp16 (with a GradScaler)
     precisions: list[str] = Field(default_factory=lambda: ["fp32"], min_length=1)
-    warmup: int = Field(default=2, ge=2, le=MAX_REPEATS)
+    warmup: int = Field(default=1, ge=1, le=MAX_REPEATS)  # the tracked step is the first
     repeats: int = Field(default=5, ge=1, le=MAX_REPEATS)
     # the least seconds a timed repeat averages steps over (None: the timer's own, 0.2 s)
     min_repeat_s: float | None = Field(default=None, ge=0, le=60, allow_inf_nan=False)
