@@ -93,7 +93,7 @@ step replay 40 env REMATLAB_FACTS="$OUT/facts" "$PY" -m pytest tests/test_gpu_fa
 step plans 40 "$PY" scripts/gpu_plans.py --model vgg16 --input "$SCALE" --batch "$BATCH" \
     --device "$DEV" --compile-model "$COMPILE_MODEL" --out "$OUT/plans.json"
 
-# the seed study's GPU grid (grids/seed-study-gpu.toml, 2,124 configurations, ~5.6 min on an
+# the seed study's GPU grid (grids/seed-study-gpu.toml, 2,124 configurations, ~4.2 min on an
 # H200 by scripts/gpu_grid_estimate.py), last and resumable: a run cut off keeps its rows, and
 # a later check continues it when given the database it brought back (STUDY_DB=path)
 DB="$OUT/study.duckdb"
@@ -108,7 +108,7 @@ strategies = ["none", "uniform:2", "selective"]
 dtypes = ["float32", "bfloat16"]
 devices = ["cpu"]
 optimizers = ["sgd", "adam"]
-warmup = 2
+warmup = 1
 repeats = 3
 min_repeat_s = 0.005
 [[models]]

@@ -3,19 +3,21 @@
 A step is forward, cross-entropy loss, backward (which includes recomputation) and an
 optimizer step, on synthetic data. The protocol, in order:
 
-1. FLOPs (forward, backward, of which recomputation) and the bytes saved for backward are
-   counted on the configuration's fake twin (`rematlab.preflight.fake`: every op's shapes,
-   dtypes and storages, no data, no kernel), once per shape: configurations that differ only
-   in optimizer or run settings reuse the count (`FlopCounterMode` counts no optimizer update).
-   A model fake tensors cannot run (data-dependent code) is counted on a real first step.
-2. The optimizer's state is made as its first step makes it, by a step that changes nothing:
+1. The optimizer's state is made as its first step makes it, by a step that changes nothing:
    zero gradients at learning rate 0 (`_optimizer_state`).
-3. One *tracked* step, the first real one: the peak memory of the whole step with the
+2. One *tracked* step, the first real one: the peak memory of the whole step with the
    optimizer state present (CUDA: allocator peak after a reset, its BLAS workspaces
    allocated inside it; CPU: the larger of the live-tensor tracker and the allocator's events
    — see `rematlab.core.probes`), per phase. Byte counts do not vary between identical steps,
    so one tracked step is all the figure needs. With a `max_memory` cap it is capped, so an
    OOM stops the run before anything is timed.
+3. FLOPs (forward, backward, of which recomputation) and the bytes saved for backward are
+   counted once per shape: configurations that differ only in optimizer or run settings reuse
+   the count (`FlopCounterMode` counts no optimizer update). They are counted the cheaper way
+   (`_counted`): on the configuration's fake twin (`rematlab.preflight.fake`: every op's
+   shapes, dtypes and storages, no data, no kernel) where the tracked step took 0.1 s or
+   more, else on a real step (a GPU's steps, small models), and on a real step where fake
+   tensors cannot run the model (data-dependent code).
 4. `warmup - 1` more untimed steps (the tracked step is the warm-up's first).
 5. `repeats` *timed* repeats under `rematlab.core.guard`: a calibration kernel, then as many steps
    as last `MIN_REPEAT_SECONDS` (their mean is the repeat), device-synchronised clock around
@@ -25,8 +27,8 @@ optimizer step, on synthetic data. The protocol, in order:
 Counting never happens in the tracked step: counting recomputation keeps recomputed tensors
 alive longer (a tracked step that also counted peaked 4-50 % higher under remat, see
 docs/design.md) and the CPU tracker's per-op bookkeeping would inflate the times. Counting on
-fakes rather than in a real step of its own is what keeps the protocol's untimed work to one
-step a configuration (issue 51: it was two, 34-48 % of a CPU configuration's time).
+fakes where a step is slow is what keeps the protocol's untimed work to about one step a
+configuration (issue 51: it was two real steps, 34-48 % of a CPU configuration's time).
 Out-of-memory — real, or past the `max_memory` cap that emulates a smaller device — is an
 outcome, `oom`, not a crash.
 """
@@ -145,25 +147,31 @@ class _Tracked:
         return peak, self.memory.reserved
 
 
-def _counted(s: _Setup) -> dict[str, float]:
-    """The configuration's FLOPs and saved bytes (module docstring, step 1): counted on its
-    fake twin, or on a real step where fakes cannot run the model, which then leaves the
-    optimizer state made (a real step counted is not the tracked step either way)."""
-    session = FakeSession(cuda=parse_device(s.spec.device).type == "cuda")
-    try:
-        with session.active():
-            return _Counted(s.fake(session)).run(WallClock())
-    except Exception:  # data-dependent code (`.item()`, `nonzero`): fakes have no values
-        return _Counted(s).run(s.remat.recompute.clock)
+# What counting on the fake twin costs the host: 0.03-0.2 s for the study's models (its
+# Python dispatch, whatever the device). A step faster than this is counted for real.
+FAKE_COUNT_S = 0.1
+
+
+def _counted(s: _Setup, step_s: float) -> dict[str, float]:
+    """The configuration's FLOPs and saved bytes (module docstring, step 1), counted the
+    cheaper way: on a real step where one took `step_s` < `FAKE_COUNT_S` (a GPU's
+    millisecond steps, small models), else on the fake twin; and on a real step where fakes
+    cannot run the model. A real counted step runs after the tracked one, never in it."""
+    if step_s >= FAKE_COUNT_S:
+        session = FakeSession(cuda=parse_device(s.spec.device).type == "cuda")
+        try:
+            with session.active():
+                return _Counted(s.fake(session)).run(WallClock())
+        except Exception:  # data-dependent code (`.item()`, `nonzero`): fakes have no values
+            pass
+    return _Counted(s).run(s.remat.recompute.clock)
 
 
 def _optimizer_state(s: _Setup) -> None:
-    """Make the optimizer's state as a first step would (module docstring, step 2): one
+    """Make the optimizer's state as a first step would (module docstring, step 1): one
     update from zero gradients at learning rate 0, which moves no parameter (momentum, Adam's
     moments, AdamW's decay and `MixedAdamW`'s master copy all scale by the rate), so the
     tracked step is the first real one and finds the state present, as every later step."""
-    if s.opt.state:
-        return  # a real counted step made it
     params = [p for group in s.opt.param_groups for p in group["params"] if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -280,8 +288,9 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
                 f"mean of the steps that last {least:g} s (steps_per_repeat)",
         "peak": f"{memory(device, None).method}, one tracked step, the first (the "
                 "optimizer's state made before it by a zero-gradient update at rate 0)",
-        "flops": "torch.utils.flop_counter.FlopCounterMode on the step's fake twin (a real "
-                 "step where fakes cannot run the model), once per shape",
+        "flops": "torch.utils.flop_counter.FlopCounterMode, once per shape, after the "
+                 f"tracked step: on the step's fake twin where that took {FAKE_COUNT_S:g} s "
+                 "or more, else (or where fakes cannot run the model) on a real step",
         "saved": "saved_tensors_hooks + checkpoint inputs, storage-deduplicated, parameters, "
                  "buffers and the input batch excluded",
         "guard": guard.describe(),
@@ -291,12 +300,12 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
         setup = _Setup.build(spec, device, clock)
         if not _zoo_input(spec):  # a zoo model's own input always fits it
             runs_on(setup.model, setup.run, setup.batch, spec.model)
-        counted = _COUNTED.get(_count_key(spec))
-        if counted is None:
-            counted = _COUNTED[_count_key(spec)] = _counted(setup)
         _optimizer_state(setup)
         tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory)
         peak, reserved = tracked.run(clock)
+        counted = _COUNTED.get(_count_key(spec))
+        if counted is None:
+            counted = _COUNTED[_count_key(spec)] = _counted(setup, tracked.seconds)
         timing = Timer(device, clock, guard, min_repeat_s=least).run(
             functools.partial(_step, setup), spec.repeats, warmup=spec.warmup - 1)
         kept, obs.evidence = timing.kept, timing.evidence
