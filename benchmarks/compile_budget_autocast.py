@@ -4,7 +4,7 @@ CPU (issue 50, item 3: the peer that recomputes inside the compiled graph).
     .venv/bin/python benchmarks/compile_budget_autocast.py [--rounds 5]
         [--out docs/benchmarks/compile-budget-autocast.md]
 
-GPT-2 and a Llama-style decoder (4 layers, width 256, 8 x 256 tokens), AdamW in bf16
+GPT-2, a Llama-style decoder and BERT (4 layers, width 256, 8 x 256 tokens), AdamW in bf16
 autocast (`Step(precision="bf16")`). For each `activation_memory_budget` fraction, the plain
 model compiled (`torch.compile(model)`, dynamo reset between fractions, since a fraction is
 read when a graph is compiled): its measured step peak (the planner's measurement, whose
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from op_level_autocast import bf16_main
+from op_level_autocast import TRANSFORMERS, bf16_main
 from real_models import _side_by_side
 
 from rematlab.core.recipe import Step
@@ -114,7 +114,7 @@ def bench(name: str, make, step: Step, rounds: int) -> list[str]:
 
 def main() -> None:
     bf16_main(__doc__, "torch.compile's activation budget against rematlab's plans (bf16 "
-              "autocast)", "compile_budget_autocast.py", bench)
+              "autocast)", "compile_budget_autocast.py", bench, models=TRANSFORMERS)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,9 @@ def titan_plan(model, batch, step: Step, planning) -> Plan:
 # compile_budget_autocast): 4 layers, width 256, 8 x 256 tokens, AdamW under bf16 autocast
 MODELS = {"GPT-2": lambda: realzoo.gpt2(batch=8, seq=256, layers=4, width=256),
           "Llama": lambda: realzoo.llama(batch=8, seq=256, layers=4, width=256)}
+# the issue's three transformer configurations: the decoders and BERT, at the same sizes
+TRANSFORMERS = {**MODELS,
+                "BERT": lambda: realzoo.bert(batch=8, seq=256, layers=4, width=256)}
 
 
 def bf16_step() -> Step:
@@ -121,22 +124,30 @@ def bench(name: str, make, step: Step, rounds: int) -> list[str]:
 
 def bf16_main(doc: str, title: str, script: str, bench: Callable[..., list[str]],
               models: dict = MODELS, rounds: int = 5, own_memory: bool = True) -> None:
-    """The bf16 benchmarks' command line (`--rounds`, `--out`): `bench(name, make, step,
-    rounds)`'s rows for each of `models` under a header that names the command; with
-    `own_memory`, the process keeps the memory it frees (`rematlab.core.hostmem`)."""
+    """The bf16 benchmarks' command line (`--rounds`, `--out`, `--models`): `bench(name,
+    make, step, rounds)`'s rows for each of `models` (or those named) under a header that
+    names the command; with `own_memory`, the process keeps the memory it frees
+    (`rematlab.core.hostmem`)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default=",".join(models),
+                        help=f"comma-separated, among {', '.join(models)}")
     args = parser.parse_args()
+    names = args.models.split(",")
+    unknown = sorted(set(names) - set(models))
+    if unknown:
+        parser.error(f"unknown models {', '.join(unknown)}; choose among {', '.join(models)}")
     if own_memory:
         hostmem.own_process()
     step = bf16_step()
+    chosen = "" if names == list(models) else f" --models {args.models}"
     lines = [f"# {title}", "",
-             f"Produced by `python benchmarks/{script} --rounds {args.rounds}` "
+             f"Produced by `python benchmarks/{script} --rounds {args.rounds}{chosen}` "
              f"(module docstring), torch {torch.__version__}, {torch.get_num_threads()} "
              "threads.", ""]
-    for name, make in models.items():
-        lines += bench(name, make, step, args.rounds)
+    for name in names:
+        lines += bench(name, models[name], step, args.rounds)
     publish("\n".join(lines) + "\n", args.out)
 
 

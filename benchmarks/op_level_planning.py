@@ -26,17 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from op_level_autocast import MODELS as AUTOCAST_MODELS
-from op_level_autocast import bf16_main
+from op_level_autocast import TRANSFORMERS, bf16_main
 
 from rematlab.core.recipe import Step
 from rematlab.planning.planner import prepare
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.simulate import simulate
-from tests import realzoo
 
-MODELS = {**AUTOCAST_MODELS,
-          "BERT": lambda: realzoo.bert(batch=8, seq=256, layers=4, width=256)}
 FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -75,7 +71,7 @@ def bench(name: str, make, step: Step, rounds: int) -> list[str]:
 
 def main() -> None:
     bf16_main(__doc__, "Op-level menus: planning time and what they buy (bf16 autocast)",
-              "op_level_planning.py", bench, MODELS, rounds=3, own_memory=False)
+              "op_level_planning.py", bench, TRANSFORMERS, rounds=3, own_memory=False)
 
 
 if __name__ == "__main__":
