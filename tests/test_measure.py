@@ -335,9 +335,9 @@ def test_flops_and_saved_bytes_are_counted_the_cheaper_way_after_the_tracked_ste
 
     spec = Spec(model="mlp5", batch=64, strategy="sqrt", repeats=2).validate()
     real = protocol._Setup.build(spec, torch.device("cpu"), WallClock())
-    on_fakes = protocol._counted(real, step_s=protocol.FAKE_COUNT_S)
+    on_fakes = protocol._counted(real, protocol.FAKE_COUNT_S, WallClock())
     assert not real.opt.state  # no real step ran
-    assert on_fakes == protocol._counted(real, step_s=0.0) and real.opt.state
+    assert on_fakes == protocol._counted(real, 0.0, WallClock()) and real.opt.state
     monkeypatch.setattr(protocol, "FAKE_COUNT_S", fake_count_s)
     steps: list[bool] = []
     plain = protocol._step
@@ -364,7 +364,7 @@ def test_a_model_fakes_cannot_run_is_counted_on_a_real_step():
     model = torch.nn.Sequential(torch.nn.Flatten(), Gate(), torch.nn.Linear(784, 10))
     spec = Spec(model="mlp3", batch=8, repeats=1).validate()
     s = protocol._Setup(spec, model, torch.randn(8, 1, 28, 28), WallClock())
-    counted = protocol._counted(s, step_s=protocol.FAKE_COUNT_S)  # fakes are tried first
+    counted = protocol._counted(s, protocol.FAKE_COUNT_S, WallClock())  # fakes tried first
     assert counted["forward_flops"] == 2 * 8 * 784 * 10 and s.opt.state  # momentum buffers
 
 

@@ -152,11 +152,12 @@ class _Tracked:
 FAKE_COUNT_S = 0.1
 
 
-def _counted(s: _Setup, step_s: float) -> dict[str, float]:
-    """The configuration's FLOPs and saved bytes (module docstring, step 1), counted the
-    cheaper way: on a real step where one took `step_s` < `FAKE_COUNT_S` (a GPU's
-    millisecond steps, small models), else on the fake twin; and on a real step where fakes
-    cannot run the model. A real counted step runs after the tracked one, never in it."""
+def _counted(s: _Setup, step_s: float, clock: Clock) -> dict[str, float]:
+    """The configuration's FLOPs and saved bytes (module docstring, step 3), counted the
+    cheaper way: on a real step (timed by `clock`, the step's) where one took `step_s` <
+    `FAKE_COUNT_S` (a GPU's millisecond steps, small models), else on the fake twin; and on
+    a real step where fakes cannot run the model. A real counted step runs after the tracked
+    one, never in it."""
     if step_s >= FAKE_COUNT_S:
         session = FakeSession(cuda=parse_device(s.spec.device).type == "cuda")
         try:
@@ -164,7 +165,7 @@ def _counted(s: _Setup, step_s: float) -> dict[str, float]:
                 return _Counted(s.fake(session)).run(WallClock())
         except Exception:  # data-dependent code (`.item()`, `nonzero`): fakes have no values
             pass
-    return _Counted(s).run(s.remat.recompute.clock)
+    return _Counted(s).run(clock)
 
 
 def _optimizer_state(s: _Setup) -> None:
@@ -303,9 +304,10 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
         _optimizer_state(setup)
         tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory)
         peak, reserved = tracked.run(clock)
-        counted = _COUNTED.get(_count_key(spec))
-        if counted is None:
-            counted = _COUNTED[_count_key(spec)] = _counted(setup, tracked.seconds)
+        key = _count_key(spec)
+        if key not in _COUNTED:
+            _COUNTED[key] = _counted(setup, tracked.seconds, clock)
+        counted = _COUNTED[key]
         timing = Timer(device, clock, guard, min_repeat_s=least).run(
             functools.partial(_step, setup), spec.repeats, warmup=spec.warmup - 1)
         kept, obs.evidence = timing.kept, timing.evidence

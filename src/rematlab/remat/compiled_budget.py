@@ -21,8 +21,9 @@ fraction decides only for the kept blocks.
 Dynamo keeps one compiled graph per code object and guards, and its guards on a model do not
 tell apart copies that share every submodule (`rematlab.apply`'s, or the original): a graph
 break inside the model makes the model's own forward the frame it caches, and a second copy
-compiled under another budget in the same process reuses the first one's graph (torch 2.11
-does so even without a graph break; 2.13 recompiles there). Compile one planned copy of a
+compiled under another budget in the same process reuses the first one's graph (on torch
+2.11, measuring a chosen LeNet-5 plan again got another candidate's graph: 21.6 MB against the
+19.5 MB measured while planning; 2.13 compiled it afresh). Compile one planned copy of a
 model per process; rematlab measures each candidate after `torch._dynamo.reset()`
 (`rematlab.planning.compiled`), and `rematlab.apply` of a compiled plan resets too
 (`fresh_graphs`), so that no candidate measured while planning stands in for the plan.
