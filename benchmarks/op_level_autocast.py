@@ -3,10 +3,11 @@
     .venv/bin/python benchmarks/op_level_autocast.py [--rounds 5]
         [--out docs/benchmarks/op-level-autocast.md]
 
-GPT-2 and a Llama-style decoder (4 layers, width 256, 8 x 256 tokens) trained in bf16
-autocast with AdamW. For three budgets between the floor and keeping everything: the plan
-with op-level options (`prepare(..., ops=True)`), the per-layer plan (`ops=False`) and
-transformers' `every_n_layers` (the largest n that fits); then every layer under each option
+GPT-2, a Llama-style decoder and BERT (4 layers, width 256, 8 x 256 tokens) trained in bf16
+autocast with AdamW. For five budgets between the floor and keeping everything: the plan
+with op-level options (`prepare(..., ops=True)`), the per-layer plan (`ops=False`),
+transformers' `every_n_layers` (the largest n that fits) and torch's `sac_milp` (its largest
+budget whose plan's measured peak fits, `sac_milp_peer`); then every layer under each option
 of the menu alone (the dispatch-mode save sets; the module-level "recompute mlp.act"), under
 torchtitan's op-level policy (`titan_plan`), and checkpointed whole. All step times are
 medians of interleaved rounds of the same step (`Step(precision="bf16")`, one timer under the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from op_level import _hf_fitting, _hf_run
 from real_models import _side_by_side
+from sac_milp_peer import SacMilp
 
 from benchmarks.publish import publish
 from rematlab.core import hostmem
@@ -70,6 +73,9 @@ TRANSFORMERS = {**MODELS,
                 "BERT": lambda: realzoo.bert(batch=8, seq=256, layers=4, width=256)}
 
 
+FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)  # of the way from the floor to keeping everything
+
+
 def bf16_step() -> Step:
     return Step(precision="bf16", optimizer=torch.optim.AdamW)
 
@@ -81,19 +87,34 @@ def bench(name: str, make, step: Step, rounds: int) -> list[str]:
     torch.manual_seed(0)
     model, batch = make()
     model.train()
+    t0 = time.perf_counter()
     ops = prepare(model, batch, step=step, ops=True)
+    ops_seconds = time.perf_counter() - t0
     layer = prepare(model, batch, step=step)
     c = ops.costs
     n = c.n
     candidates: dict[str, tuple] = {}
     floor, full = ops.floor_budget(), ops.full
-    for f in (0.25, 0.5, 0.75):
+    t0 = time.perf_counter()
+    try:
+        torch_sac, sac_note = SacMilp(model, batch, step, ops), ""
+    except Exception as exc:  # torch's estimators are prototypes: said, not hidden
+        torch_sac, sac_note = None, f"its estimators fail here ({type(exc).__name__}: {exc})"
+    sac_seconds = [time.perf_counter() - t0]
+    for f in FRACTIONS:
         budget = int(floor + f * (full - floor))
-        candidates[f"{f:.2f} op-level"] = (ops.choose(budget), budget)
-        candidates[f"{f:.2f} per-layer"] = (layer.choose(max(budget, layer.floor_budget())),
+        candidates[f"{f:.1f} op-level"] = (ops.choose(budget), budget)
+        candidates[f"{f:.1f} per-layer"] = (layer.choose(max(budget, layer.floor_budget())),
                                             budget)
         for k, peak in _hf_fitting(model, ops, budget).items():
-            candidates[f"{f:.2f} every_n_layers={k}"] = (("hf", k, peak), budget)
+            candidates[f"{f:.1f} every_n_layers={k}"] = (("hf", k, peak), budget)
+        if torch_sac is None:
+            continue
+        t0 = time.perf_counter()
+        fitting = torch_sac.fitting(budget)
+        sac_seconds.append(time.perf_counter() - t0)
+        if fitting is not None:
+            candidates[f"{f:.1f} sac_milp at {format_bytes(fitting[1])}"] = (fitting[0], budget)
     candidates["every layer checkpointed"] = (Plan(n, (0, *[
         Segment(i, i + 1, (i,)) for i in range(1, n - 1)], n - 1)), None)
     for k, opt in enumerate(c.menu(1)):
@@ -108,7 +129,11 @@ def bench(name: str, make, step: Step, rounds: int) -> list[str]:
     got, evidence = _side_by_side(runs, batch, model, rounds, step)
     base = got["none"][0]
     lines = [f"### {name}", "",
-             f"Timings {'trusted' if evidence.trusted else 'NOT trusted (busy machine)'}.", "",
+             f"Timings {'trusted' if evidence.trusted else 'NOT trusted (busy machine)'}. "
+             f"rematlab's op-level planning: {ops_seconds:.1f} s. torch's sac_milp: " + (
+                 sac_note or f"estimators {sac_seconds[0]:.1f} s, then per budget "
+                 f"{min(sac_seconds[1:]):.1f}-{max(sac_seconds[1:]):.1f} s (its MILPs and "
+                 "the measured steps of its budget search)") + ".", "",
              "| candidate | budget | plan | measured peak | time / none (± IQR) |",
              "|---|---|---|---|---|"]
     for label, (plan, budget) in candidates.items():
@@ -152,7 +177,8 @@ def bf16_main(doc: str, title: str, script: str, bench: Callable[..., list[str]]
 
 
 def main() -> None:
-    bf16_main(__doc__, "Op-level plans under bf16 autocast", "op_level_autocast.py", bench)
+    bf16_main(__doc__, "Op-level plans under bf16 autocast", "op_level_autocast.py", bench,
+              models=TRANSFORMERS)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from op_level_autocast import TRANSFORMERS, bf16_main
+from op_level_autocast import FRACTIONS, TRANSFORMERS, bf16_main
 
 from rematlab.core.recipe import Step
 from rematlab.planning.planner import prepare
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.simulate import simulate
-
-FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def _timed(fn):

@@ -19,6 +19,8 @@ How it runs on this CPU, and what is shimmed:
   decisions (save or recompute), which become a rematlab `Selective` item saving those ops
   by name and occurrence, as torchtitan's policy is run in `op_level_autocast`. A layer
   whose share is 1 is checkpointed whole; one not chosen keeps everything.
+- A module backward never reaches (Llama's rotary embedding) gets its end-of-forward memory
+  as its backward snapshots, which `MemTracker` has none of (`_no_backward_shim`).
 - In-place chains (dropout's mask) are recomputed even where torch saves them: selective
   checkpointing refuses a cached tensor that an in-place op mutates (`_saves`).
 - `sac_milp` bounds the peak by its own memory model (parameters, gradients, optimizer
@@ -29,6 +31,7 @@ Needs `pulp` (the MILP) and `pwlf` (the piecewise-linear trade-off fit): `requir
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from unittest import mock
@@ -40,6 +43,8 @@ from rematlab.plans.plan import Plan, Segment, Selective
 from rematlab.preflight.fake import FakeSession
 
 GIB = 2 ** 30
+# its MILP logs each budget it finds infeasible as an error; the budget search asks for some
+logging.getLogger("torch.distributed._tools.sac_ilp").setLevel(logging.CRITICAL)
 
 
 class _HostEvent:
@@ -63,6 +68,20 @@ def _host_timed() -> Iterator[None]:
             mock.patch.object(torch.cuda, "current_stream", lambda *_a, **_k: None), \
             mock.patch.object(torch.cuda, "synchronize", lambda *_a, **_k: None):
         yield
+
+
+def _no_backward_shim(tracker) -> None:
+    """A module that autograd never reaches in backward (Llama's rotary embedding, which
+    computes its tables without gradients) has no backward snapshots in `MemTracker`, and
+    `aggregate_stats` reads them for every module: its backward is given its state at the
+    end of its forward, which is what it holds through a backward it takes no part in."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    for stats in tracker.memory_tracking.values():
+        if _ModState.PRE_BW not in stats.snapshots:
+            last = stats.snapshots[_ModState.POST_FW]
+            stats.snapshots[_ModState.PRE_BW] = list(last)
+            stats.snapshots[_ModState.PEAK_BW] = list(last)
 
 
 class SacMilp:
@@ -98,6 +117,7 @@ class SacMilp:
                     step.micro_batch(fake, fake_batch)
                 with self.sac("operator-level-benchmark"):
                     step.micro_batch(fake, fake_batch)
+        _no_backward_shim(tracker)
         self.graph = parse_module_info(aggregate_stats(fake, tracker, runtime, self.sac,
                                                        torch.device("cpu")))
 
