@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rematlab.core.recipe import Step
 from rematlab.measurement import zoo
-from rematlab.measurement.measure import FAKE_COUNT_S
+from rematlab.measurement.measure import FAKE_COUNT_S, count_key
 from rematlab.planning.planner import prepare
 from rematlab.plans.simulate import simulate
 from rematlab.remat.strategies import parse
@@ -66,7 +66,7 @@ def main() -> None:
         calls = max(1, math.ceil(least / step_s)) if step_s > 0 else 1
         # untimed: the tracked step, warmup - 1 more, and the count once per shape (real
         # where a step is fast: the fake twin's count is host time, inside the harness)
-        shape = (spec.model, spec.input, spec.batch, spec.dtype, spec.strategy)
+        shape = count_key(spec)  # what the protocol counts once
         counted = step_s if shape not in shapes and step_s < FAKE_COUNT_S else 0.0
         shapes.add(shape)
         run_s = (spec.warmup * step_s + counted

@@ -255,12 +255,12 @@ class _Counted:
         return probe()
 
 
-# counted figures per shape (`_count_key`), kept for the life of the process: a warm sweep
+# counted figures per shape (`count_key`), kept for the life of the process: a warm sweep
 # worker counts each shape once
 _COUNTED: dict[tuple, dict[str, float]] = {}
 
 
-def _count_key(spec: Spec) -> tuple:
+def count_key(spec: Spec) -> tuple:
     """What FLOPs and saved bytes depend on: not the optimizer (no update is a counted op),
     the repeats, the threads or a memory cap."""
     return (spec.model, spec.input, spec.input_shape, spec.batch, spec.strategy, spec.device,
@@ -304,7 +304,7 @@ def measure(spec: Spec, clock: Clock | None = None, memory: MemoryFactory | None
         _optimizer_state(setup)
         tracked = _Tracked(setup, memory(device, spec.max_memory), spec.max_memory)
         peak, reserved = tracked.run(clock)
-        key = _count_key(spec)
+        key = count_key(spec)
         if key not in _COUNTED:
             _COUNTED[key] = _counted(setup, tracked.seconds, clock)
         counted = _COUNTED[key]
