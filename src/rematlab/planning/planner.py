@@ -34,9 +34,10 @@ from rematlab.exceptions import ConfigError, OutOfMemory
 from rematlab.planning import predicted as pred
 from rematlab.planning.budget import DeviceBudget, checked, derive
 from rematlab.planning.compiled import CompiledCandidates, choose_compiled
+from rematlab.planning.oncard import OnCard
 from rematlab.planning.options import PlanOptions, request
 from rematlab.planning.ranks import adopt_sharded, for_rank, on_meta, profiled_model
-from rematlab.planning.reserve import CardMemory, card_memory
+from rematlab.planning.reserve import CardMemory
 from rematlab.planning.verify import Baseline, measure_planned, planned_step, strategy_table
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan
@@ -58,7 +59,7 @@ RANK_TOLERANCE = 0.10  # a sharded rank's simulated peaks, within 10 % of its ru
 
 
 @dataclass
-class Planning:
+class Planning(OnCard):
     """One model at one batch, profiled and solved once; a plan for any budget from it.
 
     `prepare` finds the structure, moves the batch, profiles and solves; `choose(budget)`
@@ -79,6 +80,7 @@ class Planning:
     ranks: RankEngine | None = None  # one rank of the step's layout (`planning.ranks`)
     compiled: CompiledCandidates | None = None  # compiled: measured candidates (`compiled`)
     _measured: dict[str, int] = field(default_factory=dict, repr=False)
+    _cards: dict[str, CardMemory] = field(default_factory=dict, repr=False)
 
     @property
     def floor(self) -> int:
@@ -94,10 +96,12 @@ class Planning:
         if not self.verify:
             if self.target is None:
                 return self.floor
-            return max(pred.with_margin(self.floor), self._reserved(self.solution.frontier[0]) or 0)
+            reserved = self._reserved(self.solution.frontier[0])
+            return max(pred.with_margin(self.floor), 0 if reserved is None
+                       else self._upper(reserved, "card"))
         if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
             floor = self._measure_cached(self.solution.frontier[0])
-            return floor if self.target is None else pred.with_margin(floor)  # a fake group's
+            return floor if self.target is None else self._upper(floor, "rank")  # fake group
         floor = max(self.floor, self._measure_cached(self.solution.frontier[0]))
         lowest = self.compiled.floor() if self.compiled is not None else None
         return floor if lowest is None else min(floor, lowest)
@@ -169,9 +173,10 @@ class Planning:
                     and candidate is not frontier[0]):
                 continue
             reserved = self._reserved(candidate)
-            if reserved is None or reserved <= limit:
+            upper = None if reserved is None else self._upper(reserved, "card")
+            if upper is None or upper <= limit:
                 return replace(self._named(candidate, name, limit), reserved_peak=reserved)
-            skip_above = (candidate.predicted_peak or 0) - (reserved - limit)
+            skip_above = (candidate.predicted_peak or 0) - (upper - limit)
         raise infeasible(limit, self.floor_budget())
 
     def _verified(self, pool: list[Plan], limit: int, name: str) -> Plan | None:
@@ -184,8 +189,8 @@ class Planning:
                 continue
             known = candidate.describe() in self._measured
             measured = self._measure_cached(candidate, limit)
-            if self.target is not None:  # one rank run on a fake group: predicted, margin kept
-                if measured <= pred.room(limit):
+            if self.target is not None:  # one rank run on a fake group: its band's upper end
+                if self._upper(measured, "rank") <= limit:
                     return replace(self._named(candidate, name, limit),
                                    predicted_peak=measured)
             elif measured <= limit:
@@ -243,30 +248,6 @@ class Planning:
             raise ConfigError("a per-rank breakdown needs a parallel layout: "
                               "step=Step(layout=FSDP(...) or DDP(...))")
         return self.ranks.peak(chosen)
-
-    @property
-    def _on_card(self) -> bool:
-        """Predicted for a GPU target on one device: plans have a reserved peak (`card`)."""
-        return self.target is not None and self.target.kind == "cuda" and self.ranks is None
-
-    def _reserved(self, chosen: Plan) -> int | None:
-        """A predicted GPU plan's reserved peak (`card`, replayed once per plan); None for
-        any other planning."""
-        if not self._on_card:
-            return None
-        key = "reserved " + chosen.describe()
-        if key not in self._measured:
-            self._measured[key] = self.card(chosen).reserved
-        return self._measured[key]
-
-    def card(self, chosen: Plan) -> CardMemory:
-        """`chosen`'s allocated and reserved peaks on a predicted GPU target's card: its whole
-        step replayed through the caching allocator (`rematlab.planning.reserve`)."""
-        if not self._on_card:
-            raise ConfigError("reserved memory is predicted for a GPU target on one device: "
-                              "prepare(..., predict=True, target='h100-80gb', ...)")
-        return card_memory(self.model, self.structure, self.batch, self.step, chosen,
-                           self.target)
 
     def measure(self, chosen: Plan) -> int:
         """The measured step peak of `chosen` (see `step_peak`); under a layout, one rank's
@@ -363,6 +344,7 @@ def plan(
     model: nn.Module,
     example_inputs: object,
     budget: str | int,
+    options: PlanOptions | None = None,
     **kwargs: Any,
 ) -> Plan:
     """The fastest plan whose whole-step peak fits `budget` (bytes, '6GiB', or 'auto': what
@@ -393,4 +375,4 @@ def plan(
     measure a few KiB apart, the other way).
     """
     budget = checked(budget)  # a bad budget fails before any profiling
-    return prepare(model, example_inputs, **kwargs).choose(budget)
+    return prepare(model, example_inputs, options, **kwargs).choose(budget)

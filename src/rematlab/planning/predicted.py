@@ -18,6 +18,7 @@ from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget, is_auto
 from rematlab.plans.plan import ChainCosts
+from rematlab.preflight.band import band
 from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
@@ -33,6 +34,15 @@ MARGIN_PERCENT = 1
 def with_margin(peak: int) -> int:
     """The smallest budget a predicted plan of simulated `peak` fits, margin included."""
     return -(-peak * (100 + MARGIN_PERCENT) // 100)
+
+
+def upper_end(target: Target | None, family: str, peak: int, where: str) -> int:
+    """The most a predicted plan whose reserved (`where` "card") or rank ("rank") peak is
+    `peak` may hold: its band's upper end on a GPU target (`rematlab.preflight.band`), else
+    the peak and its margin."""
+    if target is None or target.kind != "cuda":
+        return with_margin(peak)
+    return band(peak, (where, "reserved", family)).upper
 
 
 def room(budget: int) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from rematlab.plans.plan import ChainCosts, Item, Plan, Segment
+from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 
 
 def plain(start: int, end: int) -> tuple[Item, ...]:
@@ -106,3 +107,43 @@ def selective_plan(costs: ChainCosts, threshold: float = 1.0) -> Plan:
         items.append(Segment(i, j, plain(i, j)))
         i = j
     return Plan(n, tuple(items), name="selective" if threshold == 1.0 else f"selective:{threshold}")
+
+
+# The option torchtitan's op-level selective AC is priced as (`remat.ops.TORCHTITAN_OP_SAC`)
+TORCHTITAN_OP = "torchtitan op SAC"
+PEERS = ("torchtitan:full", "torchtitan:op", "torchtitan:layer:K", "transformers:every:K")
+
+
+def peer_plan(costs: ChainCosts, name: str) -> Plan:
+    """A peer project's own checkpointing of a per-layer chain (blocks 1..n-2 are the
+    layers), so that a published run of it is priced like for like:
+    - `torchtitan:full`: every layer under `checkpoint_wrapper`;
+    - `torchtitan:op`: every layer kept under torchtitan's op-level selective AC (the option
+      of that name: plan with `ops=True`);
+    - `torchtitan:layer:K`: torchtitan's selective layer AC, whose wrapper counts the layers
+      from 1 and checkpoints those whose count is a multiple of K;
+    - `transformers:every:K`: `activation_checkpointing_enable(every_n_layers=K)`, which
+      checkpoints the layers whose index from 0 is a multiple of K."""
+    n = costs.n
+    layers = range(1, n - 1)
+    project, _, rest = name.partition(":")
+    if name == "torchtitan:full":
+        return per_layer_plan(n, layers, name)
+    if name == "torchtitan:op":
+        if not any(costs.options):
+            raise ConfigError("torchtitan:op is an op-level policy: prepare(..., ops=True)")
+        items: list[Item] = list(range(n))
+        for i in layers:
+            found = [o for o in costs.options[i] if o.name == TORCHTITAN_OP]
+            if not found:
+                raise ConfigError(f"layer {i - 1} runs no op torchtitan's op-level AC saves")
+            items[i] = Selective.of(i, found[0])
+        return Plan(n, tuple(items), name=name)
+    mode, _, k = rest.partition(":")
+    if (project, mode) in (("torchtitan", "layer"), ("transformers", "every")) \
+            and k.isdigit() and int(k) >= 1:
+        every = int(k)
+        first = every if project == "torchtitan" else 1  # a count from 1, an index from 0
+        return per_layer_plan(n, [i for i in layers if (i - first) % every == 0], name)
+    raise ConfigError(f"unknown peer strategy {name[:80]!r}: choose {', '.join(PEERS)} "
+                      "(K a positive integer)")

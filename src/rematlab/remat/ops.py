@@ -39,6 +39,7 @@ from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
 from rematlab.core.steps import Phases, block_step, preserved
 from rematlab.core.timer import time_block
 from rematlab.exceptions import ConfigError
+from rematlab.plans.fixed import TORCHTITAN_OP
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
 from rematlab.preflight.targets import Target, backward_interval, interval, selective_seconds
@@ -56,6 +57,14 @@ MATMULS = frozenset(("aten.mm.default", "aten.addmm.default", "aten.bmm.default"
 # Megatron's "attention core": scores, softmax, dropout and the product with the values
 ATTENTION_CORE = frozenset(("aten.bmm.default", "aten.baddbmm.default", "aten._softmax.default",
                             "aten._safe_softmax.default", *SDPA))
+# torchtitan's op-level selective AC (`_save_list` of `torchtitan/parallelisms/
+# parallelize_llama.py` at 9dec370, the commit of its 2024-12 H100 benchmarks): the option
+# named `TORCHTITAN_OP` saves these ops' outputs, except every second `aten.mm` (2nd, 4th, ...)
+TORCHTITAN_SAVE_LIST = frozenset(("aten.mm.default",
+                                  "aten._scaled_dot_product_efficient_attention.default",
+                                  "aten._scaled_dot_product_flash_attention.default",
+                                  "_c10d_functional.reduce_scatter_tensor.default",
+                                  "aten.abs.default", "aten.max.default"))
 OPTION_REPEATS = 3  # an option's times decide against whole-block checkpointing: not one run
 GREEDY_FRACTIONS = (0.5, 0.8)  # of the kept non-matmul bytes given back, cheapest first
 
@@ -212,6 +221,15 @@ def save_sets(ops: list[OpCost], compiled: bool = False) -> list[tuple[tuple[str
     return out
 
 
+def torchtitan_saves(ops: list[OpCost]) -> tuple[tuple[str, int], ...]:
+    """The outputs torchtitan's op-level selective AC saves in a forward of `ops`: every op
+    of its save list, but only the odd-numbered `aten.mm` calls (its policy counts each mm
+    and recomputes those whose count is even); empty when the block runs none of them."""
+    return tuple((o.name, o.index) for o in ops
+                 if o.name in TORCHTITAN_SAVE_LIST and o.out_bytes > 0
+                 and not (o.name == "aten.mm.default" and o.index % 2 == 1))
+
+
 def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
                   x_in: torch.Tensor, plain: BlockCost, others: list[torch.Tensor] | None = None,
                   repeats: int = 3, unit: int = 1, target: Target | None = None
@@ -222,7 +240,12 @@ def block_options(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]
     block is a fake twin: bytes as measured, times the target's roofline."""
     ops = profile_ops(module, run, x_in, others, repeats, target)
     key = fingerprint([o.name for o in ops])
-    items = [Selective(-1, describe_saves(saves), saves, key) for saves in save_sets(ops)]
+    sets = save_sets(ops)
+    titan = torchtitan_saves(ops)  # the peer's own policy, priced like the others
+    items = [Selective(-1, TORCHTITAN_OP if saves == titan else describe_saves(saves),
+                       saves, key) for saves in sets]
+    if titan and titan not in sets:
+        items.append(Selective(-1, TORCHTITAN_OP, titan, key))
     acts = activations(module)
     if acts:  # the block kept, its activation functions recomputed (no dispatch mode)
         items.append(Selective(-1, "recompute " + ", ".join(short_module(n) for n in acts),
