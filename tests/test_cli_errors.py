@@ -173,3 +173,28 @@ def test_bad_input_is_one_error_line_and_exit_2(files, command, args, needle):
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert needle.lower() in lines[0].lower(), lines[0]
     assert proc.stdout == ""
+
+
+def test_a_plan_written_to_a_named_pipe_reaches_its_reader_and_the_pipe_stays(tmp_path):
+    """`--out` onto a pipe (issue 64): written through once whole, never replaced by a file."""
+    import os
+    import stat
+    import threading
+
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    proc = clirun.run(["plan", "--model", "mlp3", "--budget", "1GiB", "--out", str(fifo)])
+    reader.join(60)
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and json.loads(got[0])
+
+
+@pytest.mark.parametrize("out", ["x" * 341 + ".json", "/dev/full", "/proc/version"])
+def test_an_output_path_the_system_refuses_is_one_clean_error(tmp_path, out):
+    proc = clirun.run(["plan", "--model", "mlp3", "--budget", "1GiB",
+                       "--out", out if out.startswith("/") else str(tmp_path / out)])
+    assert proc.returncode == 2 and "cannot write" in proc.stderr
+    assert len(clirun.said(proc.stderr)) == 1 and "Traceback" not in proc.stderr

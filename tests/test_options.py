@@ -7,13 +7,15 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rematlab
 from rematlab import PlanOptions, zoo
 from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError
 from rematlab.planning.maxbatch import SearchOptions
-from rematlab.planning.options import request
+from rematlab.planning.options import NAMES, request
 from rematlab.plans.plan import Plan, Selective
 from tests import clirun
 
@@ -27,7 +29,17 @@ from tests import clirun
     ({"fractions": "0.5"}, "fractions must be a list"),
     ({"repeats": 0}, "repeats must be between 1 and 10000, got 0"),
     ({"repeats": True}, "repeats must be a whole number"),
-    ({"device": 3}, "device must be a name or a torch.device"),
+    ({"device": 3}, "device must be cpu, cuda or cuda:N"),
+    # issue 64: each value refused where it is given, by name
+    ({"device": "banana"}, "unknown device 'banana': choose cpu, cuda"),
+    ({"device": ""}, "device must be cpu, cuda or cuda:N"),
+    ({"device": "xla"}, "device xla is not one rematlab plans on"),
+    ({"predict": True, "target": 123}, "target must be a profile name"),
+    ({"predict": True, "target": []}, "target must be a profile name"),
+    ({"blocks": []}, "blocks must name at least one layer"),
+    ({"blocks": ", "}, "blocks must name at least one layer"),
+    ({"blocks": ["transformer.h", 3]}, "blocks must name at least one layer"),
+    ({"bogus": 1}, "unknown PlanOptions field(s) bogus; it has blocks, compile, device"),
 ])
 def test_plan_options_refuse_bad_values_when_made(fields, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -118,3 +130,79 @@ def test_costs_saved_with_the_older_op_sequence_key_still_load():
     older["options"] = [[{**{k: v for k, v in asdict(option).items() if k != "sequence"},
                          "ops": "abc123"}]]
     assert ChainCosts.from_dict(older) == costs
+
+
+def test_a_device_this_machine_lacks_is_refused_by_name():
+    missing = [d for d, here in (("cuda", torch.cuda.is_available()),
+                                 ("mps", torch.backends.mps.is_available())) if not here]
+    for device in missing:
+        with pytest.raises(ConfigError, match=f"device {device} requested but this machine"):
+            PlanOptions(device=device)
+
+
+def test_plan_options_take_keywords_only_and_say_so():
+    with pytest.raises(ConfigError, match="PlanOptions takes keywords only"):
+        PlanOptions(True)  # type: ignore[misc]
+
+
+def test_positional_options_work_alike_in_prepare_plan_max_batch_and_auto():
+    """`PlanOptions` as the argument after the batch (and the budget) in every entry point."""
+    torch.manual_seed(0)
+    model, x = zoo.mlp(3).train(), torch.randn(8, 1, 28, 28)
+    opts = PlanOptions(verify=False)
+    planning = rematlab.prepare(model, x, opts)
+    plan = rematlab.plan(model, x, planning.full, opts)
+    assert plan.describe() == planning.choose(planning.full).describe()
+    assert rematlab.auto(model, "1GiB", opts).options == opts
+    compiled = PlanOptions(compile=True)  # taken whole: a keyword then changes it, checked
+    for call in (lambda: rematlab.prepare(model, x, compiled, predict=True),
+                 lambda: rematlab.plan(model, x, "1GiB", compiled, predict=True),
+                 lambda: rematlab.max_batch(model, x, "64MiB", compiled, predict=True),
+                 lambda: rematlab.auto(model, "1GiB", compiled, predict=True)):
+        with pytest.raises(ConfigError, match="compiled costs must be measured"):
+            call()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"shape_buckets": "no"}, "shape_buckets must be True or False"),
+    ({"recheck_s": float("nan")}, "recheck_s must be a number of seconds"),
+    ({"recheck_s": -1}, "recheck_s must be a number of seconds"),
+    ({"recheck_s": "10"}, "recheck_s must be a number of seconds"),
+])
+def test_auto_refuses_bad_values_where_they_are_given(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        rematlab.auto(zoo.mlp(3), "1GiB", **fields)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"start": "8"}, "start must be a whole number, got '8'"),
+    ({"limit": 1.5}, "limit must be a whole number, got 1.5"),
+    ({"start": 128, "limit": 64}, "start 128 is above the limit 64"),
+])
+def test_the_batch_search_refuses_bad_counts_where_they_are_given(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        SearchOptions(**fields)
+
+
+def test_the_cli_refuses_a_start_above_the_limit_and_too_many_budgets():
+    proc = clirun.run(["max-batch", "--model", "mlp3", "--budget", "64MiB", "--batch", "128",
+                       "--limit", "64"])
+    assert proc.returncode == 2 and "start 128 is above the limit 64" in proc.stderr
+    budgets = ",".join(["64MiB"] * 4097)
+    proc = clirun.run(["plan", "--model", "mlp3", "--budgets", budgets])
+    assert proc.returncode == 2 and "number of --budgets must be between 1 and 4096" in proc.stderr
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(sorted(NAMES)),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6),
+                       st.floats(allow_nan=True), st.text(max_size=12),
+                       st.lists(st.one_of(st.integers(), st.text(max_size=4)), max_size=3)))
+def test_any_value_of_any_option_builds_or_is_one_clean_error(field, value):
+    """Fuzzed over the option surface: a value either makes options or a `ConfigError`,
+    never another exception (predict set where a target needs it)."""
+    fields = {field: value, **({"predict": True} if field == "target" else {})}
+    try:
+        PlanOptions(**fields)
+    except ConfigError as exc:
+        assert str(exc) and "\n" not in str(exc)

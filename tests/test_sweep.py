@@ -218,6 +218,28 @@ def test_sigint_keeps_results_and_says_how_to_resume(tmp_path):
     assert status == [("interrupted",)]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
+def test_sigint_in_the_first_seconds_exits_130_with_the_resume_command(tmp_path, delay):
+    """Ctrl-C as the sweep starts its first configuration (before or while its first worker
+    starts, issue 64): exit 130, no traceback, the command that resumes; the resumed sweep
+    has every row once."""
+    grid_path = _grid(tmp_path, body=TINY.format(extra=""))
+    db = tmp_path / "r.duckdb"
+    proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
+                             "--db", str(db)], stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()  # the sweep has opened its store and begun
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    rest = first + proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, rest
+    assert "Traceback" not in rest and f"resume with: rematlab sweep {grid_path}" in rest
+    result = sweep(load_grid(grid_path), db)
+    assert result.skipped + len(result) == 12
+    runs = load(db)
+    assert len(runs) == 24 and not runs.duplicated(["config_id", "repeat"]).any()
+
+
 def test_a_second_writer_gets_a_clear_error(tmp_path):
     db = tmp_path / "r.duckdb"
     with Store(db):

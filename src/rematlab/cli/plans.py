@@ -37,11 +37,14 @@ from rematlab.cli.app import (
     handles_errors,
 )
 from rematlab.cli.models import ModelSource, model_and_batches
+from rematlab.core.checks import bounded
 from rematlab.core.files import write_text
 from rematlab.core.optimizers import OPTIMIZERS
 from rematlab.core.units import format_bytes, parse_bytes
 from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import checked, is_auto
+
+MAX_BUDGETS = 4096  # budgets of one `plan --budgets` (the guide's bound)
 
 
 @app.command()
@@ -206,7 +209,8 @@ def _budget_list(budget: str | None, budgets: str | None) -> list[str]:
         raise ConfigError("give either --budget or --budgets")
     listed = [budget] if budget is not None else [b.strip() for b in (budgets or "").split(",")]
     if not all(listed):
-        raise ConfigError(f"--budgets has an empty entry: {budgets!r}")
+        raise ConfigError(f"--budgets has an empty entry: {budgets!r}"[:200])
+    bounded("the number of --budgets", len(listed), MAX_BUDGETS)
     return [checked(b) for b in listed]
 
 

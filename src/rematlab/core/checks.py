@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import numbers
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,7 +18,10 @@ MAX_VOCAB = 2**63 - 1  # token ids are int64
 
 
 def bounded(name: str, value: int, high: int, low: int = 1) -> int:
-    """`value` of the count `name` if `low <= value <= high`; else bad input, said once."""
+    """`value` of the count `name` if it is a whole number and `low <= value <= high`; else
+    bad input, said once (a float or a string never reaches a comparison or an index)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}"[:200])
     if not low <= value <= high:
         raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
     return value
@@ -64,3 +68,31 @@ def load_object(path: str, what: str) -> Any:
     if not callable(obj):
         raise ConfigError(f"{what} {path!r} is not callable")
     return obj
+
+
+DEVICE_TYPES = ("cpu", "cuda", "mps", "meta")  # what rematlab plans on (meta: shapes only)
+
+
+def device_here(value: object, name: str = "device") -> Any:
+    """`value` as a `torch.device` this machine has: a name torch knows ("cpu", "cuda:1"),
+    of a kind rematlab plans on, and present here (a CUDA/ROCm GPU of that index, Apple's
+    MPS); anything else is bad input that names the value and what is allowed."""
+    import torch
+
+    allowed = "cpu, cuda or cuda:N (a GPU here), mps (Apple), or a torch.device"
+    if not isinstance(value, (str, torch.device)) or (isinstance(value, str) and not value):
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}"[:200])
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"unknown {name} {str(value)[:80]!r}: choose {allowed}") from None
+    if device.type not in DEVICE_TYPES:
+        raise ConfigError(f"{name} {device} is not one rematlab plans on: choose {allowed}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{name} {device} requested but this machine has no CUDA/ROCm GPU")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{name} {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{name} {device} requested but this machine has no MPS device")
+    return device

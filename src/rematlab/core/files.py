@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -29,21 +31,53 @@ def refuse_overwriting_inputs(out: str | Path, inputs: Iterable[str | Path]) -> 
 @contextlib.contextmanager
 def atomic_path(out: str | Path) -> Iterator[Path]:
     """A temporary path beside `out` to write to; renamed onto `out` when the block succeeds,
-    removed when it fails."""
+    removed when it fails. Missing folders are created. A named pipe or a character device
+    (`/dev/stdout`, a terminal) is written through once the output is whole, never replaced
+    by a file; any other kind of file is refused. A path the system refuses (too long, not
+    writable) is one `ConfigError`."""
     target = Path(out)
-    if target.is_dir():
-        raise ConfigError(f"output {out} is a directory")
-    parent = target.parent
-    if parent.exists() and not parent.is_dir():
-        raise ConfigError(f"cannot write {out}: {parent} is not a directory")
-    parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphans(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.{os.getpid()}.",
-                               suffix=f".tmp{target.suffix}", dir=parent)
+    try:
+        kind = os.stat(target).st_mode if target.exists() else None
+        if kind is not None and stat.S_ISDIR(kind):
+            raise ConfigError(f"output {out} is a directory")
+        if kind is not None and (stat.S_ISFIFO(kind) or stat.S_ISCHR(kind)):
+            yield from _written_through(target)
+            return
+        if kind is not None and not stat.S_ISREG(kind):
+            raise ConfigError(f"output {out} is neither a file, a pipe nor a terminal")
+        parent = target.parent
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"cannot write {out}: {parent} is not a directory")
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(target)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.stem[:64]}.{os.getpid()}.",
+                                   suffix=f".tmp{target.suffix[:16]}", dir=parent)
+        os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {str(out)[:120]}: {exc.strerror or exc}") from None
+    try:
+        yield Path(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {str(out)[:120]}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _written_through(target: Path) -> Iterator[Path]:
+    """Write the whole output to a private temporary file, then copy it into the pipe or
+    device `target` (a reader gets all of it or, on a failure before, nothing)."""
+    fd, tmp = tempfile.mkstemp(prefix=".rematlab-out.", suffix=target.suffix[:16])
     os.close(fd)
     try:
         yield Path(tmp)
-        os.replace(tmp, target)
+        try:
+            with open(tmp, "rb") as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {target}: {exc.strerror or exc}") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

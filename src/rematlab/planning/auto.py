@@ -5,6 +5,7 @@ stops holding."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,12 @@ class AutoRemat(nn.Module):
         self.model = model
         self.budget = checked(budget)  # 'auto' is derived again for every new shape
         self.options, self.step = request(options, step, keywords)  # plan's keywords too
+        if not isinstance(shape_buckets, bool):
+            raise ConfigError(f"shape_buckets must be True or False, got {shape_buckets!r}")
+        if not isinstance(recheck_s, (int, float)) or isinstance(recheck_s, bool) \
+                or not 0 <= recheck_s < math.inf:
+            raise ConfigError(f"recheck_s must be a number of seconds, 0 or more, got "
+                              f"{recheck_s!r}"[:200])
         self.recheck_s = recheck_s
         self.shape_buckets = shape_buckets
         self.plans: dict[tuple, nn.Module] = {}  # by bucket: (dtypes and devices, shapes)
@@ -195,8 +202,9 @@ class AutoRemat(nn.Module):
         return prepare(self.model, example, self.options, step=self.step)
 
 
-def auto(model: nn.Module, budget: str | int, **kwargs: Any) -> AutoRemat:
+def auto(model: nn.Module, budget: str | int, options: PlanOptions | None = None,
+         **kwargs: Any) -> AutoRemat:
     """`model` wrapped so that every new input shape gets its own optimal plan."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"auto() needs an nn.Module, got {type(model).__name__}")
-    return AutoRemat(model, budget, **kwargs)
+    return AutoRemat(model, budget, options, **kwargs)

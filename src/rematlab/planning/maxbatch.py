@@ -326,8 +326,10 @@ class SearchOptions:
         if unknown or not self.cases:
             raise ConfigError(f"unknown case(s) {sorted(unknown)}; choose from "
                               f"{', '.join(CASES)}")
-        if not 1 <= self.limit <= MAX_BATCH:
-            raise ConfigError(f"limit must be between 1 and {MAX_BATCH}, got {self.limit}")
+        bounded("limit", self.limit, MAX_BATCH)
+        if self.start is not None and bounded("start", self.start, MAX_BATCH) > self.limit:
+            raise ConfigError(f"start {self.start} is above the limit {self.limit}: the "
+                              "search goes up from start, never past the limit")
         bounded("warmup", self.warmup, MAX_REPEATS, low=0)
         bounded("repeats", self.repeats, MAX_REPEATS, low=0)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematlab.core.checks import bounded
+from rematlab.core.checks import bounded, device_here
 from rematlab.core.recipe import Step, as_step
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
@@ -63,8 +63,22 @@ class PlanOptions:
             raise ConfigError("a target is planned for without running: it needs "
                               "predict=True (--predict); without it, plans are measured on "
                               "the device the batch is on")
-        if self.device is not None and not isinstance(self.device, (str, torch.device)):
-            raise ConfigError(f"device must be a name or a torch.device, got {self.device!r}")
+        if self.device is not None:
+            device_here(self.device)
+        if self.target is not None and (not isinstance(self.target, (str, Target, dict))
+                                        or (isinstance(self.target, str) and not self.target)):
+            raise ConfigError(f"target must be a profile name (such as 'h100-80gb'), a "
+                              f"profile.json, a dict of a profile's fields or a Target, got "
+                              f"{self.target!r}"[:200])
+        blocks = self.blocks
+        if blocks is not None and not (
+                (isinstance(blocks, str) and blocks.strip(", "))
+                or (isinstance(blocks, (list, tuple)) and blocks
+                and (all(isinstance(b, nn.Module) for b in blocks)
+                     or all(isinstance(b, str) and b for b in blocks)))):
+            raise ConfigError(f"blocks must name at least one layer: modules, names of "
+                              f"submodules ('transformer.h'), or one comma-separated string; "
+                              f"got {blocks!r}"[:200])
         fractions = self.fractions
         if not isinstance(fractions, (tuple, list)) or not all(
                 isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f <= 1.0
@@ -87,6 +101,22 @@ class PlanOptions:
 
 
 NAMES = frozenset(f.name for f in dataclasses.fields(PlanOptions))
+_generated_init = PlanOptions.__init__
+
+
+def _init(self: PlanOptions, *args: Any, **fields: Any) -> None:
+    """`PlanOptions(...)` by keywords only, each a field it has: anything else is refused
+    with the fields' names, as planning's keywords are (`request`)."""
+    if args:
+        raise ConfigError(f"PlanOptions takes keywords only ({', '.join(sorted(NAMES))})")
+    unknown = sorted(set(fields) - NAMES)
+    if unknown:
+        raise ConfigError(f"unknown PlanOptions field(s) {', '.join(unknown)}; it has "
+                          f"{', '.join(sorted(NAMES))}")
+    _generated_init(self, **fields)
+
+
+PlanOptions.__init__ = _init  # type: ignore[method-assign]
 
 
 def request(options: PlanOptions | None, step: Step | None, keywords: dict[str, Any]

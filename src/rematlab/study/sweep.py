@@ -170,11 +170,14 @@ class Worker:
         self.lifeline = None  # only this process holds it: the worker dies when it closes
 
     def _start(self) -> None:
+        """Start the process; the worker is only this object's once it runs (Ctrl-C before
+        then leaves nothing to stop: the lifeline's end closes with this frame)."""
         ctx = _context()
-        self.conn, child = ctx.Pipe(duplex=True)
-        watch, self.lifeline = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_serve, args=(child, watch), daemon=True)
-        self.proc.start()
+        conn, child = ctx.Pipe(duplex=True)
+        watch, lifeline = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_serve, args=(child, watch), daemon=True)
+        proc.start()
+        self.proc, self.conn, self.lifeline = proc, conn, lifeline
         child.close()
         watch.close()
 
