@@ -32,55 +32,47 @@ def refuse_overwriting_inputs(out: str | Path, inputs: Iterable[str | Path]) -> 
 def atomic_path(out: str | Path) -> Iterator[Path]:
     """A temporary path beside `out` to write to; renamed onto `out` when the block succeeds,
     removed when it fails. Missing folders are created. A named pipe or a character device
-    (`/dev/stdout`, a terminal) is written through once the output is whole, never replaced
-    by a file; any other kind of file is refused. A path the system refuses (too long, not
-    writable) is one `ConfigError`."""
+    (`/dev/stdout`, a terminal) is written through once the output is whole (a reader gets
+    all of it or nothing), never replaced by a file; any other kind of file is refused. A
+    path the system refuses (too long, not writable, a full device) is one `ConfigError`."""
     target = Path(out)
-    try:
+    with _system_refuses(out):
         kind = os.stat(target).st_mode if target.exists() else None
         if kind is not None and stat.S_ISDIR(kind):
             raise ConfigError(f"output {out} is a directory")
-        if kind is not None and (stat.S_ISFIFO(kind) or stat.S_ISCHR(kind)):
-            yield from _written_through(target)
-            return
-        if kind is not None and not stat.S_ISREG(kind):
+        through = kind is not None and (stat.S_ISFIFO(kind) or stat.S_ISCHR(kind))
+        if kind is not None and not (through or stat.S_ISREG(kind)):
             raise ConfigError(f"output {out} is neither a file, a pipe nor a terminal")
         parent = target.parent
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError(f"cannot write {out}: {parent} is not a directory")
-        parent.mkdir(parents=True, exist_ok=True)
-        _remove_orphans(target)
+        if not through:
+            if parent.exists() and not parent.is_dir():
+                raise ConfigError(f"cannot write {out}: {parent} is not a directory")
+            parent.mkdir(parents=True, exist_ok=True)
+            _remove_orphans(target)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.stem[:64]}.{os.getpid()}.",
-                                   suffix=f".tmp{target.suffix[:16]}", dir=parent)
+                                   suffix=f".tmp{target.suffix[:16]}",
+                                   dir=None if through else parent)
         os.close(fd)
+    try:
+        yield Path(tmp)
+        with _system_refuses(out):
+            if through:
+                with open(tmp, "rb") as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            else:
+                os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _system_refuses(out: str | Path) -> Iterator[None]:
+    """An `OSError` of writing `out` as one line naming it."""
+    try:
+        yield
     except OSError as exc:
         raise ConfigError(f"cannot write {str(out)[:120]}: {exc.strerror or exc}") from None
-    try:
-        yield Path(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError as exc:
-            raise ConfigError(f"cannot write {str(out)[:120]}: {exc.strerror or exc}") from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
-def _written_through(target: Path) -> Iterator[Path]:
-    """Write the whole output to a private temporary file, then copy it into the pipe or
-    device `target` (a reader gets all of it or, on a failure before, nothing)."""
-    fd, tmp = tempfile.mkstemp(prefix=".rematlab-out.", suffix=target.suffix[:16])
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        try:
-            with open(tmp, "rb") as src, open(target, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        except OSError as exc:
-            raise ConfigError(f"cannot write {target}: {exc.strerror or exc}") from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def _remove_orphans(target: Path) -> None:
