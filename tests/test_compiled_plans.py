@@ -94,3 +94,22 @@ def test_a_plan_json_made_under_one_budget_is_refused_under_another(planning, tm
         rematlab.apply(owner, other)
     with pytest.raises(ConfigError, match="memory budget"):
         Plan.from_json(path.read_text().replace('"fraction": 0.5', '"fraction": 2'))
+
+
+def test_a_compiled_plan_is_refused_on_a_wider_model_and_applies_to_its_own(planning, tmp_path):
+    """Issue 64: a plan records its blocks' parameter shapes; one saved for this chain and
+    applied to a chain of the same depth but wider layers is refused, naming the block and
+    the parameter, and is applied as written to its own chain."""
+    saved = tmp_path / "plan.json"
+    saved.write_text(planning.choose(planning.floor_budget()).to_json())
+    plan = Plan.from_json(saved.read_text())
+    assert plan.compiled and plan.shapes is not None
+    own = nn.Sequential(*planning.structure.blocks)
+    assert rematlab.apply(own, plan).plan == plan
+    torch.manual_seed(0)
+    wider = nn.Sequential(*(nn.Sequential(nn.Linear(128, 1024), nn.GELU(),
+                                          nn.Linear(1024, 128), nn.Tanh()) for _ in range(4)),
+                          nn.Linear(128, 10)).double()
+    with pytest.raises(ConfigError, match=r"block 0's 0\.weight is 1024×128, the plan's was "
+                                          r"512×128; plan again for this model"):
+        rematlab.apply(wider, plan)

@@ -223,3 +223,59 @@ def test_under_bf16_autocast_a_module_option_keeps_its_measured_peak_in_the_user
     assert_grads_match(step_grads(planned, batch, "bf16", params=model.parameters()), want,
                        "bf16")
     assert "forward" not in model.transformer.h[0].mlp.act.__dict__  # put back after
+
+
+def _module_option_plan(model: torch.nn.Module, batch: dict) -> Plan:
+    """Every layer of `model` kept under its module-level option (its activation recomputed)."""
+    c = rematlab.prepare(model, batch, optimizer=None, ops=True).costs
+    acts = {i: o for i in range(c.n) for o in c.menu(i) if o.modules}
+    assert acts, "the menu offers a module-level option"
+    return Plan(c.n, tuple(Selective.of(i, acts[i]) if i in acts else i for i in range(c.n)))
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda it: it.update(sequence="0" * 16), "plan is stale: layer 0 ran"),
+    (lambda it: it.update(modules=["attn"]),
+     "recomputes 'attn' in layer 0, which is not among its activation modules .mlp.act."),
+    (lambda it: it.update(modules=["mlp.act", "mlp.act"]), "names 'mlp.act' twice in layer 0"),
+])
+def test_an_edited_module_level_option_is_refused_and_the_plan_as_made_runs(edit, says):
+    """Issue 64: a hand-edited module-level option (its op sequence's hash, another submodule,
+    one named twice) is one clean error; the file as it was made runs and gives the plain
+    model's gradients."""
+    import json
+
+    model, batch = realzoo.gpt2()
+    model.train()
+    data = json.loads(_module_option_plan(model, batch).to_json())
+    planned = rematlab.apply(model, Plan.from_json(json.dumps(data)))
+    torch.manual_seed(1)
+    want = step_grads(model, batch, "fp32")
+    torch.manual_seed(1)
+    assert_grads_match(step_grads(planned, batch, "fp32", params=model.parameters()), want,
+                       "fp32")
+    for item in data["items"]:
+        if isinstance(item, dict) and item.get("modules"):
+            edit(item)
+    with pytest.raises(ConfigError, match=says):
+        call(rematlab.apply(model, Plan.from_json(json.dumps(data))), batch)
+
+
+def test_a_module_level_plan_for_a_gelu_model_is_refused_on_a_relu_one():
+    """The same submodule names, other ops: the option's op sequence no longer matches."""
+    model, batch = realzoo.gpt2()
+    plan = _module_option_plan(model.train(), batch)
+    cfg = GPT2Config(**{**model.config.to_dict(), "activation_function": "relu"})
+    other = GPT2LMHeadModel(cfg).train()
+    with pytest.raises(ConfigError, match=r"plan is stale: layer 0 ran .* \(recompute mlp.act"):
+        call(rematlab.apply(other, plan), batch)
+
+
+def test_a_layer_plan_for_a_narrower_model_is_refused_with_the_layer_and_parameter():
+    model, batch = realzoo.gpt2()
+    plan = Plan.from_json(rematlab.prepare(model, batch, optimizer=None)
+                          .choose("1GiB").to_json())
+    assert rematlab.apply(model, plan) is not None  # its own model takes it
+    wider, _ = realzoo.gpt2(width=128)
+    with pytest.raises(ConfigError, match=r"layer 0's ln_1\.weight is 128, the plan's was 64"):
+        rematlab.apply(wider, plan)

@@ -50,7 +50,7 @@ from rematlab.remat.chain import profile_chain
 from rematlab.remat.compiled_budget import fresh_graphs, settings
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.profiling import Profiling
-from rematlab.remat.structure import Structure, structure
+from rematlab.remat.structure import Structure, block_shapes, structure
 
 _MAX_CORRECTIONS = 6  # measured misses before a choice jumps by the overshoot
 COMPILED_TOLERANCE = 0.25  # compiled graphs save less than their blocks compiled alone
@@ -218,6 +218,7 @@ class Planning(OnCard):
     def _named(self, chosen: Plan, name: str, limit: int | None) -> Plan:
         return replace(chosen, name=name, budget=limit, compiled=self.compile,
                        step=self.step.to_dict(),
+                       shapes=tuple(block_shapes(b) for b in self.structure.blocks),
                        compile_settings=settings(chosen.fraction) if self.compile else None)
 
     def _measure_cached(self, chosen: Plan, limit: int | None = None) -> int:

@@ -77,6 +77,7 @@ class Selective:
 
 
 Item = Union[int, Selective, Segment]  # noqa: UP007 - recursive alias needs the runtime form
+Shapes = tuple[tuple[str, tuple[int, ...]], ...]  # a block's parameters: (name, sizes)
 
 
 @dataclass
@@ -203,6 +204,9 @@ class Plan:
     # (`rematlab.remat.compiled_budget`), which `apply` insists on
     fraction: float | None = None
     compile_settings: dict | None = None
+    # the parameter shapes of each block it was made for (`remat.structure.block_shapes`:
+    # a chain's blocks, or a model's layers), which `apply` checks; None in older plans
+    shapes: tuple[Shapes, ...] | None = None
 
     def __post_init__(self) -> None:
         validate_items(self.items, 0, self.n_blocks)
@@ -234,6 +238,8 @@ class Plan:
                 "step": self.step,
                 "fraction": self.fraction,
                 "compile_settings": self.compile_settings,
+                "shapes": (None if self.shapes is None else
+                           [{name: list(dims) for name, dims in block} for block in self.shapes]),
             },
             indent=2,
         )
@@ -264,6 +270,7 @@ class Plan:
                           else _fraction(data["fraction"])),
                 compile_settings=(data.get("compile_settings")
                                   if isinstance(data.get("compile_settings"), dict) else None),
+                shapes=_shapes_from_json(data.get("shapes")),
             )
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError,
                 json.JSONDecodeError) as exc:
@@ -369,6 +376,15 @@ def _item_from_json(data: int | dict, depth: int = 0) -> Item:
     start, end = data["checkpoint"]
     return Segment(int(start), int(end), tuple(_item_from_json(i, depth + 1)
                                                for i in data["inner"]))
+
+
+def _shapes_from_json(data: object) -> tuple[Shapes, ...] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list) or not all(isinstance(b, dict) for b in data):
+        raise TypeError("a plan's shapes are a list of {parameter: [sizes]} per block")
+    return tuple(tuple((str(name), tuple(int(d) for d in dims)) for name, dims in block.items())
+                 for block in data)
 
 
 _MAX_DEPTH = 64  # a chain of n blocks nests at most n deep; deeper JSON is not a plan

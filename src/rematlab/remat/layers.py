@@ -49,7 +49,8 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
 from rematlab.remat import compiled_budget
 from rematlab.remat.ops import run_option
-from rematlab.remat.recompute import RecomputeStats, recompute_contexts
+from rematlab.remat.recompute import RecomputeStats, checked_modules, recompute_contexts
+from rematlab.remat.structure import check_shapes
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
 # The runner of the planned forward running now, for layer frames torch.compile traces:
@@ -175,6 +176,10 @@ class LayerRemat:
                for it in plan.items):
             raise ConfigError("op-level options apply to the model's layers only "
                               f"(got {plan.describe()})")
+        check_shapes(plan.shapes, layers, "layer")  # a plan for another model is refused,
+        for it in plan.items:  # and so is an edited plan file, here, before any step
+            if isinstance(it, Selective) and it.modules:
+                checked_modules(layers[it.block - 1], it.modules, f"layer {it.block - 1}")
         self.blocks = layers
         self.plan = plan
         self.recompute = RecomputeStats()

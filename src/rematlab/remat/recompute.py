@@ -20,6 +20,7 @@ from rematlab.core import flops as flop_count
 from rematlab.core.clocks import Clock, WallClock
 from rematlab.exceptions import ConfigError
 from rematlab.preflight.cuda_ops import reentered
+from rematlab.remat.activations import activations
 
 
 class RecomputeStats:
@@ -116,6 +117,24 @@ def _around(outer: contextlib.AbstractContextManager, inner: contextlib.Abstract
         yield
 
 
+def checked_modules(block: nn.Module, names: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """`names` if each is an activation function of `block` (`activations.activations`: what
+    a module-level option is made of), named once; a plan file edited to name another
+    submodule, or made for another model, is refused with what the block has instead."""
+    offered = activations(block)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"the plan names {', '.join(map(repr, twice))} twice in {where}'s "
+                          "module-level option: it was edited; plan again")
+    foreign = [n for n in names if n not in offered]
+    if foreign:
+        has = ", ".join(offered[:6]) + (" ..." if len(offered) > 6 else "") or "none"
+        raise ConfigError(f"the plan recomputes {', '.join(map(repr, foreign))} in {where}, "
+                          f"which is not among its activation modules ({has}): it was edited "
+                          "or made for another model; plan again")
+    return names
+
+
 @contextlib.contextmanager
 def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: RecomputeStats,
                        where: str) -> Iterator[None]:
@@ -124,13 +143,7 @@ def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: Recomput
     instead of holding what its own ops save. How a module-level option runs: no dispatch
     mode sees each op, so the per-op host cost of selective checkpointing is not paid.
     The submodules' own `forward`s are put back when the block's forward returns."""
-    subs = []
-    for name in names:
-        try:
-            subs.append(block.get_submodule(name))
-        except AttributeError:
-            raise ConfigError(f"the plan recomputes {name!r}, which {where} does not have: it "
-                              "was made for another model; plan again") from None
+    subs = [block.get_submodule(name) for name in checked_modules(block, names, where)]
     for sub in subs:
         inner, contexts = sub.forward, recompute_contexts(stats, [sub])
 

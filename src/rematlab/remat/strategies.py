@@ -36,8 +36,8 @@ from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.ops import run_option
 from rematlab.remat.profiling import Profiling
-from rematlab.remat.recompute import RecomputeStats, recompute_contexts
-from rematlab.remat.structure import Structure, structure
+from rematlab.remat.recompute import RecomputeStats, checked_modules, recompute_contexts
+from rematlab.remat.structure import Structure, check_shapes, structure
 
 MAX_SEGMENTS = 1_000_000  # beyond any chain: a larger count is a typo
 _PATTERN = re.compile(r"^(none|sqrt|selective|uniform|every|plan)(?::(.+))?$")
@@ -130,6 +130,10 @@ class RematChain(nn.Module):
         super().__init__()
         if plan.n_blocks != len(blocks):
             raise ConfigError(f"plan is for {plan.n_blocks} blocks, the chain has {len(blocks)}")
+        check_shapes(plan.shapes, blocks, "block")  # a plan for another model is refused,
+        for it in plan.items:  # and so is an edited plan file, here, before any step
+            if isinstance(it, Selective) and it.modules:
+                checked_modules(blocks[it.block], it.modules, f"block {it.block}")
         self.blocks = nn.ModuleList(blocks)
         self.plan = plan
         self.recompute = RecomputeStats()

@@ -16,8 +16,39 @@ import torch
 from torch import nn
 
 from rematlab.exceptions import ConfigError
+from rematlab.plans.plan import Shapes
 from rematlab.remat.find import find_layers
 from rematlab.remat.tracing import find_chain
+
+
+def block_shapes(block: nn.Module) -> Shapes:
+    """`block`'s parameters by name and size: what a plan records of each block it was made
+    for, so that a plan made for another model of the same depth is refused, not applied
+    under a budget that no longer holds (FSDP2's sharded parameters report full sizes)."""
+    return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+
+
+def check_shapes(made_for: tuple[Shapes, ...] | None, blocks: list[nn.Module], kind: str
+                 ) -> None:
+    """Refuse a plan whose recorded `made_for` shapes differ from `blocks` (each named
+    `kind` and its index), saying where and what differs; a plan without shapes passes."""
+    if made_for is None:
+        return
+    if len(made_for) != len(blocks):
+        raise ConfigError(f"the plan was made for {len(made_for)} {kind}s, the model has "
+                          f"{len(blocks)}; plan again")
+    for i, (want, block) in enumerate(zip(made_for, blocks, strict=True)):
+        has = block_shapes(block)
+        if has == want:
+            continue
+        was, now = dict(want), dict(has)
+        name = next((n for n in [*was, *now] if was.get(n) != now.get(n)), "")
+
+        def size(dims: tuple[int, ...] | None) -> str:
+            return "absent" if dims is None else "×".join(map(str, dims)) or "scalar"
+        raise ConfigError(f"the plan was made for another model: {kind} {i}'s {name} is "
+                          f"{size(now.get(name))}, the plan's was {size(was.get(name))}; "
+                          "plan again for this model")
 
 
 @dataclass(frozen=True)
