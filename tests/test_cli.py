@@ -164,6 +164,7 @@ def test_plan_with_several_budgets_profiles_once_and_never_gets_slower():
     assert data["curve"][-1]["overhead"] == 0.0 and len(data["curve"]) >= 2
 
 
+@pytest.mark.slow
 def test_max_batch_predicts_for_a_card_from_the_command_line():
     """`max-batch --predict` (README): meta batches stay meta, times are the card's roofline
     (not FLOPs), and remat fits a larger batch of VGG-16 within the budget."""

@@ -44,9 +44,9 @@ def _check_fsdp(results: list[dict], world: int, names: list[str]) -> None:
             assert abs(got - want) <= PREDICTION_TOLERANCE * want, (name, got, want)
 
 
-def test_fsdp_plans_keep_every_ranks_budget_and_are_predicted(tmp_path):
-    names = ["gpt2", "llama"]
-    _check_fsdp(ranks.spawn(ranks.fsdp_worker, 2, tmp_path, names), 2, names)
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+def test_fsdp_plans_keep_every_ranks_budget_and_are_predicted(tmp_path, name):
+    _check_fsdp(ranks.spawn(ranks.fsdp_worker, 2, tmp_path, [name]), 2, [name])
 
 
 @pytest.mark.slow
@@ -54,6 +54,7 @@ def test_fsdp_four_ranks(tmp_path):
     _check_fsdp(ranks.spawn(ranks.fsdp_worker, 4, tmp_path, ["gpt2"]), 4, ["gpt2"])
 
 
+@pytest.mark.slow
 def test_ddp_plan_counts_the_gradient_buckets_and_is_predicted(tmp_path):
     results = ranks.spawn(ranks.ddp_worker, 2, tmp_path)
     for result in results:
@@ -178,6 +179,7 @@ def test_torchrun_plans_one_rank_of_the_job(tmp_path):
     assert json.loads(out.read_text())["step"]["layout"]["kind"] == "fsdp"
 
 
+@pytest.mark.slow
 def test_a_planned_then_sharded_model_plans_again(tmp_path):
     for result in ranks.spawn(ranks.replanned_worker, 2, tmp_path):
         assert result["layout"] == "fsdp"  # read back from the sharded model

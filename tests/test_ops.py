@@ -192,6 +192,7 @@ def test_an_op_level_profile_times_the_all_kept_step_once(monkeypatch):
     assert planning.costs.bwd_time[0] >= 0.0 and sum(planning.costs.fwd_time) > 0
 
 
+@pytest.mark.slow
 def test_under_bf16_autocast_a_module_option_keeps_its_measured_peak_in_the_users_loop():
     """Issue 50: under bf16 autocast GPT-2's tanh GELU is offered as a module to recompute
     (no dispatch mode, no per-op host work). A plan that runs every layer under it gives its

@@ -28,8 +28,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("name", sorted(MODELS))
+# each model and each case once in `make test`, the other pairs in `make test-slow`
+@pytest.mark.parametrize(("name", "case"), [
+    ("gpt2", "bf16"), ("llama", "fp16-scaler"), ("gpt2", "accumulate-clip-adamw"),
+    *(pytest.param(name, case, marks=pytest.mark.slow) for name, case in
+      [("gpt2", "fp16-scaler"), ("llama", "bf16"), ("llama", "accumulate-clip-adamw")])])
 def test_a_plan_for_the_users_step_keeps_its_budget_uses_it_and_keeps_gradients(name, case):
     torch.manual_seed(0)
     model, batch = MODELS[name]()
@@ -174,6 +177,7 @@ def test_pre_flight_prices_the_users_step_as_a_real_run_does(precision):
     assert not fp32.cast
 
 
+@pytest.mark.slow
 def test_max_batch_and_auto_take_the_users_step():
     torch.manual_seed(0)
     model, batch = MODELS["gpt2"]()
