@@ -167,7 +167,7 @@ def fact_observations(models: frozenset[str] | None = None) -> list[Observation]
     """Every plan of every committed GPU fact file (`tests/gpufacts.py`), of `models` (None:
     all), predicted for its card's data-sheet profile: its allocated and its reserved peak,
     each beside its band."""
-    from rematlab.plans.plan import parse_plan
+    from rematlab.plans.text import parse_plan
     from tests import gpufacts
 
     out = []

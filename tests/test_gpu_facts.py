@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from rematlab.planning.planner import prepare
-from rematlab.plans.plan import parse_plan
 from rematlab.plans.simulate import simulate
+from rematlab.plans.text import parse_plan
 from rematlab.preflight.cards import card_terms
 from rematlab.preflight.targets import PROFILES
 from tests import gpufacts

@@ -259,7 +259,7 @@ def test_identical_blocks_are_profiled_once_and_hidden_differences_are_not():
                                   "0 1{save addmm×4, bmm×2} [2-3]{2,3} @ fraction 0.5"])
 def test_a_described_plan_parses_back(text):
     """Fact files name the plans they measured by `describe()` (issue 49)."""
-    from rematlab.plans.plan import parse_plan
+    from rematlab.plans.text import parse_plan
 
     n = 6 if text.startswith("[0-2]") else 4
     assert parse_plan(text, n).describe() == text
@@ -268,7 +268,7 @@ def test_a_described_plan_parses_back(text):
 @pytest.mark.parametrize("text", ["0 1 3", "0 [1-2{1,2} 3", "x", "0 1 2 3 @ fraction 2"])
 def test_a_bad_plan_description_is_one_config_error(text):
     from rematlab.exceptions import ConfigError
-    from rematlab.plans.plan import parse_plan
+    from rematlab.plans.text import parse_plan
 
     with pytest.raises(ConfigError, match=r"plan"):
         parse_plan(text, 4)

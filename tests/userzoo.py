@@ -164,3 +164,14 @@ def meta_llama() -> nn.Module:
                       max_position_embeddings=128)
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
+
+
+def announced() -> nn.Module:
+    """A deep MLP whose factory says "built" on stderr: a test knows the command has
+    started working, past the interpreter's imports, before it interrupts it."""
+    import sys
+
+    sys.stderr.write("built\n")
+    sys.stderr.flush()
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(24)))

@@ -48,8 +48,9 @@ from rematlab.core.steps import runs_on
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
 from rematlab.remat import compiled_budget
+from rematlab.remat.activations import checked_modules
 from rematlab.remat.ops import run_option
-from rematlab.remat.recompute import RecomputeStats, checked_modules, recompute_contexts
+from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 from rematlab.remat.structure import check_shapes
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)

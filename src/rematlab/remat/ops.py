@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematlab.core.dispatch import OpCall, OpRecorder, Recorded
+from rematlab.core.dispatch import OpCall, OpRecorder
 from rematlab.core.probes import LiveTensorTracker, rounded, storage_key
 from rematlab.core.steps import Phases, block_step, preserved
 from rematlab.core.timer import time_block
@@ -43,10 +43,10 @@ from rematlab.plans.fixed import TORCHTITAN_OP
 from rematlab.plans.plan import Option, Selective
 from rematlab.preflight.roofline import OpLog, logged
 from rematlab.preflight.targets import Target, backward_interval, interval, selective_seconds
-from rematlab.remat.activations import activations, short_module, submodule_seconds
+from rematlab.remat.activations import activations, run_modules, short_module, submodule_seconds
 from rematlab.remat.block import BlockCost
 from rematlab.remat.policy import SavePolicy, compiled_context_fn, fingerprint, metadata
-from rematlab.remat.recompute import RecomputeStats, recomputed_modules, selective_contexts
+from rematlab.remat.recompute import RecomputeStats, selective_contexts
 
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
         "aten._scaled_dot_product_flash_attention.default",
@@ -360,30 +360,6 @@ class _OptionRun(Phases):
         self.bwd_mem = tracker.peak - before_bwd - self.out_bytes
 
 
-_checks: weakref.WeakKeyDictionary[nn.Module, set[Selective]] = weakref.WeakKeyDictionary()
-
-
-def _checked(module: nn.Module) -> set[Selective]:
-    """The module-level options whose op sequence `module` has been seen to run."""
-    return _checks.setdefault(module, set())
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class _OpNames(Recorded):
-    """The names of the ops a forward runs, as `profile_ops` names them (metadata reads
-    left out): what a module-level option's `sequence` hashes."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def on_op(self, call: OpCall) -> None:
-        if not metadata(call.func):
-            self.names.append(str(call.func))
-
-
 def run_option(item: Selective, module: nn.Module, fn: Callable, stats: RecomputeStats,
                where: str, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` — `module`'s forward — under `item`'s option: selective
@@ -396,20 +372,7 @@ def run_option(item: Selective, module: nn.Module, fn: Callable, stats: Recomput
         if torch.compiler.is_compiling():
             raise ConfigError(f"{where}: a module-level option ({item.option}) runs eager; "
                               "plan with compile=True for a compiled step")
-        with recomputed_modules(module, item.modules, stats, where):
-            if not item.sequence or not torch.is_grad_enabled() or item in _checked(module):
-                return fn(*args, **kwargs)
-            # as `profile_ops` saw it: with saved-tensor hooks autograd saves an op's output
-            # without the `aten.detach` it dispatches otherwise
-            with torch.autograd.graph.saved_tensors_hooks(_same, _same), _OpNames() as seen:
-                out = fn(*args, **kwargs)
-        # the first forward under this option: no dispatch mode watches the later ones
-        if fingerprint(seen.names) != item.sequence:
-            raise ConfigError(f"the plan is stale: {where} ran {len(seen.names)} ops that do "
-                              f"not match the op sequence its option ({item.option}) was made "
-                              "for (the model or its input changed); plan again")
-        _checked(module).add(item)
-        return out
+        return run_modules(item, module, fn, stats, where, *args, **kwargs)
     if torch.compiler.is_compiling():
         return checkpoint(fn, *args, use_reentrant=False, **kwargs,
                           context_fn=compiled_context_fn(item.saves, item.sequence, where))

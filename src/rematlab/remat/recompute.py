@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from rematlab.core import flops as flop_count
 from rematlab.core.clocks import Clock, WallClock
-from rematlab.exceptions import ConfigError
 from rematlab.preflight.cuda_ops import reentered
-from rematlab.remat.activations import activations
 
 
 class RecomputeStats:
@@ -115,47 +111,3 @@ def _around(outer: contextlib.AbstractContextManager, inner: contextlib.Abstract
     forward's ops and no others, such as BatchNorm's counter read by `frozen_batchnorm`."""
     with outer, inner:
         yield
-
-
-def checked_modules(block: nn.Module, names: tuple[str, ...], where: str) -> tuple[str, ...]:
-    """`names` if each is an activation function of `block` (`activations.activations`: what
-    a module-level option is made of), named once; a plan file edited to name another
-    submodule, or made for another model, is refused with what the block has instead."""
-    offered = activations(block)
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ConfigError(f"the plan names {', '.join(map(repr, twice))} twice in {where}'s "
-                          "module-level option: it was edited; plan again")
-    foreign = [n for n in names if n not in offered]
-    if foreign:
-        has = ", ".join(offered[:6]) + (" ..." if len(offered) > 6 else "") or "none"
-        raise ConfigError(f"the plan recomputes {', '.join(map(repr, foreign))} in {where}, "
-                          f"which is not among its activation modules ({has}): it was edited "
-                          "or made for another model; plan again")
-    return names
-
-
-@contextlib.contextmanager
-def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: RecomputeStats,
-                       where: str) -> Iterator[None]:
-    """`block` run with its submodules `names` checkpointed: each keeps its input for
-    backward and runs again there, through `recompute_contexts` (timed, BatchNorm frozen),
-    instead of holding what its own ops save. How a module-level option runs: no dispatch
-    mode sees each op, so the per-op host cost of selective checkpointing is not paid.
-    The submodules' own `forward`s are put back when the block's forward returns."""
-    subs = [block.get_submodule(name) for name in checked_modules(block, names, where)]
-    for sub in subs:
-        inner, contexts = sub.forward, recompute_contexts(stats, [sub])
-
-        def checkpointed(*args: Any, _inner: Callable = inner, _contexts: Callable = contexts,
-                         **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=_contexts,
-                              **kwargs)
-        object.__setattr__(sub, "forward", checkpointed)
-    try:
-        yield
-    finally:
-        for sub in subs:
-            object.__delattr__(sub, "forward")

@@ -31,12 +31,13 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans import fixed as plans
 from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 from rematlab.remat import compiled_budget
+from rematlab.remat.activations import checked_modules
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.ops import run_option
 from rematlab.remat.profiling import Profiling
-from rematlab.remat.recompute import RecomputeStats, checked_modules, recompute_contexts
+from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 from rematlab.remat.structure import Structure, check_shapes, structure
 
 MAX_SEGMENTS = 1_000_000  # beyond any chain: a larger count is a typo

@@ -1,0 +1,50 @@
+"""Ctrl-C (issue 64) at several moments of the commands that run for minutes: exit 130, no
+traceback, and what to run next; a sweep's are in `test_sweep` (it stores rows as it goes
+and says how to resume)."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_sweep import TINY
+
+
+def _interrupted(args: list[str], delay: float, cwd=None) -> tuple[int, str]:
+    """Run `rematlab args`, wait for its first stderr line and `delay` seconds, Ctrl-C it."""
+    proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", *args], cwd=cwd,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, first + err + out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.5, 2.0])
+def test_ctrl_c_in_a_max_batch_search_exits_130_and_says_what_to_run(tmp_path, delay):
+    out = tmp_path / "found.json"
+    args = ["max-batch", "--model", "tests.userzoo:announced", "--input-shape", "256",
+            "--budget", "64MiB", "--batch", "8", "--json"]
+    code, said = _interrupted(args, delay)
+    assert code == 130, said
+    assert "Traceback" not in said
+    assert "interrupted: nothing was written" in said
+    assert "run it again with: rematlab max-batch --model tests.userzoo:announced" in said
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_ctrl_c_in_a_study_exits_130_and_says_how_to_resume(tmp_path, delay):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(TINY.format(extra=""))
+    db, out = tmp_path / "r.duckdb", tmp_path / "out"
+    code, said = _interrupted(["study", "--grid", str(grid), "--db", str(db), "--out",
+                               str(out)], delay)
+    assert code == 130, said
+    assert "Traceback" not in said
+    assert f"rematlab study --grid {grid} --db {db} --out {out}" in said
