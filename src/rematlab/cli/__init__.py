@@ -8,7 +8,6 @@ readable output, tables are for people.
 from __future__ import annotations
 
 import importlib
-import shlex
 import sys
 import warnings
 
@@ -63,21 +62,9 @@ def main() -> None:
         else:
             sys.stderr.write(f"error: {message.splitlines()[0] if message else 'usage'}\n")
         sys.exit(2)
-    except (typer.Exit, typer.Abort, KeyboardInterrupt) as exc:
-        # typer turns Ctrl-C into Exit(130), silently; a sweep's own Exit(130) has said more
-        if isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt):
-            _interrupted()
-        if isinstance(exc, typer.Exit):
-            sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
         sys.stderr.write("error: aborted\n")
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-def _interrupted() -> None:
-    """Ctrl-C in a command that stores nothing as it goes (`plan`, `max-batch`, `predict`;
-    a sweep and a study say what they kept and exit 130 themselves): exit 130, no
-    traceback, and the command again. Their `--out` files are written only once complete."""
-    sys.stderr.write("interrupted: nothing was written (an --out file is written only when "
-                     f"complete); run it again with: rematlab {shlex.join(sys.argv[1:])}\n")
-    sys.exit(130)

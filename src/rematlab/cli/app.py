@@ -4,6 +4,7 @@ output, and the option types of model inputs and budgets."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -38,7 +39,7 @@ def _fail(message: str, code: int = 2) -> None:
 def handles_errors(fn: Callable) -> Callable:
     """User errors become one line on stderr and exit status 2, never a traceback. Only
     rematlab's own errors and the OS refusing a path are user errors: anything else is a bug
-    and keeps its traceback."""
+    and keeps its traceback. Ctrl-C is exit 130 and the command to run again."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -52,6 +53,11 @@ def handles_errors(fn: Callable) -> Callable:
                 raise
             _fail(f"this command needs rematlab's study extra: pip install 'rematlab[study]' "
                   f"({exc.name} is not installed)")
+        except KeyboardInterrupt:  # a sweep or a study says what it kept and exits 130 itself
+            sys.stderr.write("interrupted: nothing was written (an --out file is written only "
+                             "when complete); run it again with: rematlab "
+                             f"{shlex.join(sys.argv[1:])}\n")
+            raise typer.Exit(130) from None
 
     return wrapper
 
