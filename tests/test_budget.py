@@ -74,6 +74,7 @@ def test_plan_and_auto_accept_budget_auto(monkeypatch):
     assert len(wrapped.plans) == 1 and len(asked) >= 2  # auto derived its budget too
 
 
+@pytest.mark.slow
 def test_the_cli_says_how_an_auto_budget_was_derived():
     proc = clirun.run(["plan", "--model", "mlp3", "--batch", "16", "--budget", "auto", "--json"])
     assert proc.returncode == 0, proc.stderr

@@ -60,6 +60,7 @@ def test_a_cuda_target_runs_the_ops_cuda_dispatches(factory):
         assert "aten::bernoulli_" not in ops  # CPU's dropout: a mask in the input's dtype
 
 
+@pytest.mark.slow
 def test_a_cpu_target_keeps_the_cpu_ops():
     # uncalibrated: a calibrated CPU target measures kernels' scratch under a profiler of its
     # own (`preflight.workspace`), which would stop this one

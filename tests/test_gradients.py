@@ -38,7 +38,7 @@ class Quadratic(nn.Module):
         return (self.a @ self.theta + self.b).detach()
 
 
-@pytest.mark.parametrize("kind", ["fmad", "zo"])
+@pytest.mark.parametrize("kind", [pytest.param("fmad", marks=pytest.mark.slow), "zo"])
 def test_estimates_are_unbiased_on_a_quadratic(kind):
     q = Quadratic()
     true = q.true_gradient()

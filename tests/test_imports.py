@@ -179,6 +179,7 @@ def test_import_rematlab_leaves_the_study_and_the_compiler_alone():
     assert out.strip() == "[]", out
 
 
+@pytest.mark.slow
 def test_without_the_study_extra_plans_run_and_study_commands_say_what_to_install(tmp_path):
     import subprocess
     import sys

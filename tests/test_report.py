@@ -190,6 +190,7 @@ def _overlaps(fig) -> int:
     return count
 
 
+@pytest.mark.slow
 def test_tick_labels_never_overlap(monkeypatch):
     from rematlab.study.figures import pareto_figure
 

@@ -336,7 +336,8 @@ def test_hf_trainer_with_an_empty_dataset_is_one_error():
 
 # -- the floor budget in loops that differ from rematlab's own within the Step --
 
-@pytest.mark.parametrize(("family", "precision"), [("qwen2", "bf16"), ("mistral", "fp16")])
+@pytest.mark.parametrize(("family", "precision"), [
+    ("qwen2", "bf16"), pytest.param("mistral", "fp16", marks=pytest.mark.slow)])
 def test_the_floor_budget_holds_in_a_held_back_user_loop(family, precision):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
