@@ -48,7 +48,8 @@ def _ops(factory, target: str | Target) -> set[str]:
     return {e.name for e in prof.events()}
 
 
-@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("factory", [_gpt2, pytest.param(_llama, marks=pytest.mark.slow)],
+                         ids=["gpt2", "llama"])
 def test_a_cuda_target_runs_the_ops_cuda_dispatches(factory):
     ops = _ops(factory, "h100-80gb")
     assert {"aten::_scaled_dot_product_flash_attention",

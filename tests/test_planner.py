@@ -31,7 +31,8 @@ def _budgets(model, x, fractions):
 
 @pytest.mark.parametrize(("name", "batch"), [("mlp5", 256), ("lenet5", 128),
                                               pytest.param("vgg16", 16, marks=pytest.mark.slow),
-                                              ("alexnet", 32)])
+                                              pytest.param("alexnet", 32,
+                                                           marks=pytest.mark.slow)])
 def test_plan_honours_the_budget_on_measurement(name, batch):
     model, shape, _ = zoo.resolve(name, "cifar" if name in ("vgg16", "alexnet") else None)
     x = torch.randn(batch, *shape)
@@ -189,6 +190,7 @@ def test_fx_cuts_a_transformer_between_residual_sums():
         assert (p.grad - w).abs().max() <= 1e-12
 
 
+@pytest.mark.slow
 def test_plan_for_torch_compile_honours_the_budget_on_the_compiled_step(tmp_path):
     model, shape, _ = zoo.resolve("lenet5", None)
     x = torch.randn(256, *shape)

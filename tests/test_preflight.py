@@ -81,7 +81,7 @@ def test_fake_costs_of_gpt2_are_the_real_runs_bytes():
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_deep_models_profile_from_its_short_twins_equals_the_full_one(name, monkeypatch):
     from dataclasses import asdict
 

@@ -153,6 +153,7 @@ def _hollow(ax) -> int:
                if len(c.get_facecolors()) == 0 and len(c.get_offsets()))
 
 
+@pytest.mark.slow
 def test_untrusted_points_are_hollow_and_named_in_the_legend(monkeypatch):
     from rematlab.study.figures import UNTRUSTED, pareto_figure, ratio_figure
 

@@ -1,6 +1,7 @@
 """Shapes that change (issue 39): `rematlab.auto` profiles once per bucket of shapes, not per
 shape, and a plan reused for a smaller shape keeps its budget."""
 
+import pytest
 import torch
 
 import rematlab
@@ -32,6 +33,7 @@ def test_a_tiled_batch_keeps_its_values_and_grows_cyclically():
     assert torch.equal(grown["n"], torch.tensor([1]))
 
 
+@pytest.mark.slow
 def test_auto_over_dynamically_padded_batches_profiles_at_most_three_times_within_budget():
     torch.manual_seed(0)
     model, longest = realzoo.gpt2(seq=128)  # positions for 128 tokens

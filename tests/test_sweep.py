@@ -442,6 +442,7 @@ def test_untrusted_configurations_are_measured_again_at_the_end_and_replaced_if_
     assert result.outcomes["ok"] == 2
 
 
+@pytest.mark.slow
 def test_a_second_attempt_still_untrusted_keeps_the_first_and_a_rerun_tries_again(
         tmp_path, monkeypatch):
     grid = load_grid(_grid(tmp_path, body=TWO))
@@ -479,6 +480,7 @@ def test_waiting_for_quiet_is_bounded_per_configuration_and_per_sweep(tmp_path, 
     assert set(load(db)["waited_s"]) == {8.0}
 
 
+@pytest.mark.slow
 def test_a_precision_axis_measures_the_autocast_step_and_keeps_old_identities(tmp_path):
     """`precisions` in a grid: each configuration's step runs under its autocast (`Spec.
     precision`); a fp32 configuration keeps the identity it had before the field existed;
