@@ -28,6 +28,10 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.1%}"
 
 
+def _count(x: float | None) -> str:
+    return "" if x is None else f"{x:,.0f}"
+
+
 def _beside(row: dict, replay: published.Replay) -> str:
     """rematlab's fastest plan within the peer's own band (or, with no memory published, the
     peer's simulated peak), and its step time against the peer's."""
@@ -72,7 +76,7 @@ def main() -> None:
             f"| {'' if got.band is None else format_bytes(got.band.point)} "
             f"| {'' if got.band is None else format_bytes(got.band.upper)} "
             f"| {published_peak} | {_pct(got.error)} "
-            f"| {got.tokens_per_s:,.0f} / {got.published_tokens_per_s or '':,} "
+            f"| {got.tokens_per_s:,.0f} / {_count(got.published_tokens_per_s)} "
             f"| {_pct(got.tokens_error)} | {_beside(row, got)} |")
     lines += ["", "## Rows pre-flight cannot price yet", "",
               "| row | source | published | why |", "|---|---|---|---|"]
