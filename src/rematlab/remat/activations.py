@@ -125,7 +125,7 @@ def run_modules(item: Selective, module: nn.Module, fn: Callable, stats: Recompu
     watched, once per module and option, and refused when its ops are not the sequence the
     option was made for (an edited plan, or another model: a ReLU GPT-2 under a GELU plan);
     later forwards run without a dispatch mode, which is what this kind of option is for."""
-    with recomputed_modules(module, item.modules, stats, where):
+    with recomputed_modules(module, item.modules, stats):
         if not item.sequence or not torch.is_grad_enabled() or item in _checked(module):
             return fn(*args, **kwargs)
         # as `profile_ops` saw it: with saved-tensor hooks autograd saves an op's output
@@ -142,14 +142,14 @@ def run_modules(item: Selective, module: nn.Module, fn: Callable, stats: Recompu
 
 
 @contextlib.contextmanager
-def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: RecomputeStats,
-                       where: str) -> Iterator[None]:
+def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: RecomputeStats
+                       ) -> Iterator[None]:
     """`block` run with its submodules `names` checkpointed: each keeps its input for
     backward and runs again there, through `recompute_contexts` (timed, BatchNorm frozen),
     instead of holding what its own ops save. How a module-level option runs: no dispatch
     mode sees each op, so the per-op host cost of selective checkpointing is not paid.
     The submodules' own `forward`s are put back when the block's forward returns."""
-    subs = [block.get_submodule(name) for name in checked_modules(block, names, where)]
+    subs = [block.get_submodule(name) for name in names]  # `checked_modules` when applied
     for sub in subs:
         inner, contexts = sub.forward, recompute_contexts(stats, [sub])
 

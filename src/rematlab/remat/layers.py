@@ -48,10 +48,9 @@ from rematlab.core.steps import runs_on
 from rematlab.exceptions import ConfigError
 from rematlab.plans.plan import Plan, Selective
 from rematlab.remat import compiled_budget
-from rematlab.remat.activations import checked_modules
 from rematlab.remat.ops import run_option
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
-from rematlab.remat.structure import check_shapes
+from rematlab.remat.structure import check_fits
 
 _ACTIVE: ContextVar[LayerRemat | None] = ContextVar("rematlab_layers", default=None)
 # The runner of the planned forward running now, for layer frames torch.compile traces:
@@ -177,10 +176,7 @@ class LayerRemat:
                for it in plan.items):
             raise ConfigError("op-level options apply to the model's layers only "
                               f"(got {plan.describe()})")
-        check_shapes(plan.shapes, layers, "layer")  # a plan for another model is refused,
-        for it in plan.items:  # and so is an edited plan file, here, before any step
-            if isinstance(it, Selective) and it.modules:
-                checked_modules(layers[it.block - 1], it.modules, f"layer {it.block - 1}")
+        check_fits(plan, layers, "layer", first=1)
         self.blocks = layers
         self.plan = plan
         self.recompute = RecomputeStats()

@@ -31,14 +31,13 @@ from rematlab.exceptions import ConfigError
 from rematlab.plans import fixed as plans
 from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 from rematlab.remat import compiled_budget
-from rematlab.remat.activations import checked_modules
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.layers import LayerRemat, attach
 from rematlab.remat.ops import run_option
 from rematlab.remat.profiling import Profiling
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
-from rematlab.remat.structure import Structure, check_shapes, structure
+from rematlab.remat.structure import Structure, check_fits, structure
 
 MAX_SEGMENTS = 1_000_000  # beyond any chain: a larger count is a typo
 _PATTERN = re.compile(r"^(none|sqrt|selective|uniform|every|plan)(?::(.+))?$")
@@ -131,10 +130,7 @@ class RematChain(nn.Module):
         super().__init__()
         if plan.n_blocks != len(blocks):
             raise ConfigError(f"plan is for {plan.n_blocks} blocks, the chain has {len(blocks)}")
-        check_shapes(plan.shapes, blocks, "block")  # a plan for another model is refused,
-        for it in plan.items:  # and so is an edited plan file, here, before any step
-            if isinstance(it, Selective) and it.modules:
-                checked_modules(blocks[it.block], it.modules, f"block {it.block}")
+        check_fits(plan, blocks, "block", first=0)
         self.blocks = nn.ModuleList(blocks)
         self.plan = plan
         self.recompute = RecomputeStats()

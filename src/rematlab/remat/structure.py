@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from rematlab.exceptions import ConfigError
-from rematlab.plans.plan import Shapes
+from rematlab.plans.plan import Plan, Selective, Shapes
+from rematlab.remat.activations import checked_modules
 from rematlab.remat.find import find_layers
 from rematlab.remat.tracing import find_chain
 
@@ -26,6 +27,17 @@ def block_shapes(block: nn.Module) -> Shapes:
     for, so that a plan made for another model of the same depth is refused, not applied
     under a budget that no longer holds (FSDP2's sharded parameters report full sizes)."""
     return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+
+
+def check_fits(plan: Plan, blocks: list[nn.Module], kind: str, first: int) -> None:
+    """Refuse `plan` for `blocks` (plan block `first` is `blocks[0]`, each named `kind` and
+    its index) when it was made for another model (`check_shapes`) or a module-level option
+    was edited (`activations.checked_modules`): once, when it is applied, before any step."""
+    check_shapes(plan.shapes, blocks, kind)
+    for it in plan.items:
+        if isinstance(it, Selective) and it.modules:
+            where = it.block - first
+            checked_modules(blocks[where], it.modules, f"{kind} {where}")
 
 
 def check_shapes(made_for: tuple[Shapes, ...] | None, blocks: list[nn.Module], kind: str
