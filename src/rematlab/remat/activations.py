@@ -11,6 +11,7 @@ whose pointwise ops save tensors the size of their input (issue 50).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import statistics
 import weakref
 from collections.abc import Callable, Iterator
@@ -106,16 +107,32 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# True while `torch.utils.checkpoint` itself runs around a recomputed submodule: the ops it
+# dispatches of its own (torch 2.11 makes two `aten.empty` placeholders per region, 2.13
+# none) are no part of the block's op sequence
+_checkpoint_own = contextvars.ContextVar("_checkpoint_own", default=False)
+
+
 class _OpNames(Recorded):
     """The names of the ops a forward runs, as `profile_ops` names them (metadata reads
-    left out): what a module-level option's `sequence` hashes."""
+    and the checkpoint's own ops left out): what a module-level option's `sequence`
+    hashes."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
 
     def on_op(self, call: OpCall) -> None:
-        if not metadata(call.func):
+        if not metadata(call.func) and not _checkpoint_own.get():
             self.names.append(str(call.func))
+
+
+@contextlib.contextmanager
+def _own(value: bool) -> Iterator[None]:
+    token = _checkpoint_own.set(value)
+    try:
+        yield
+    finally:
+        _checkpoint_own.reset(token)
 
 
 def run_modules(item: Selective, module: nn.Module, fn: Callable, stats: RecomputeStats,
@@ -157,8 +174,13 @@ def recomputed_modules(block: nn.Module, names: tuple[str, ...], stats: Recomput
                          **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=_contexts,
-                              **kwargs)
+
+            def module_own(*a: Any, **k: Any) -> Any:
+                with _own(False):
+                    return _inner(*a, **k)
+            with _own(True):
+                return checkpoint(module_own, *args, use_reentrant=False,
+                                  context_fn=_contexts, **kwargs)
         object.__setattr__(sub, "forward", checkpointed)
     try:
         yield
