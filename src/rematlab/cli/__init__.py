@@ -1,5 +1,5 @@
-"""The `rematlab` command: thin typer commands, one library call each (`plans`: one model;
-`study`: datasets and the study).
+"""The `rematlab` command: thin typer commands, one library call each (`plans`: one model; `rent`:
+which card to rent; `study`: datasets and the study).
 
 Bad input prints one line, `error: ...`, and exits with status 2; `--json` prints machine-
 readable output, tables are for people.
@@ -13,7 +13,7 @@ import warnings
 
 import typer
 
-from rematlab.cli import plans, study  # noqa: F401  (registers their commands on `app`)
+from rematlab.cli import plans, rent, study  # noqa: F401  (registers their commands on `app`)
 from rematlab.cli.app import app
 from rematlab.core import hostmem
 from rematlab.exceptions import RematlabError

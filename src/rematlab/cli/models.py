@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rematlab.cli.app import _shape
@@ -47,7 +48,18 @@ def model_and_batches(source: ModelSource, device: str, predict: bool
     if dtype not in FLOAT_DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(FLOAT_DTYPES)}")
     dev = torch.device("meta") if predict else available(parse_device(device))
-    net, shape, _ = zoo.resolve(source.model, source.input, _shape(source.input_shape))
+    if source.model.startswith("hf:"):
+        net, vocab = hf_model(source.model.removeprefix("hf:"), predict)
+        if source.input_shape is None:
+            raise ConfigError("a Hugging Face model takes token ids: give the sequence "
+                              "length, --input-shape 4096")
+        shape = _shape(source.input_shape)
+        source = replace(source, vocab=source.vocab or vocab,
+                         input_dtype=("int64" if source.input_dtype == "float32"
+                                      else source.input_dtype))
+        input_dtype = source.input_dtype
+    else:
+        net, shape, _ = zoo.resolve(source.model, source.input, _shape(source.input_shape))
     net = net.to(FLOAT_DTYPES[dtype])
     if source.lora is not None:
         net = add_lora(net, source.lora)
@@ -65,3 +77,31 @@ def model_and_batches(source: ModelSource, device: str, predict: bool
 
     batches(2)  # bad input fails here, before any work
     return net.train(), batches
+
+
+def hf_model(config: str, meta: bool) -> tuple[Any, int | None]:
+    """A causal language model from a Hugging Face config (a `config.json`, or a folder
+    holding one; nothing is downloaded), built on the meta device when `meta` (no weight
+    allocated: an 8B model plans here), with its vocabulary size."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    path = Path(config)
+    if not path.exists():
+        raise ConfigError(f"no Hugging Face config at {config!r}: give a config.json or a "
+                          "folder with one")
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{config} is not a Hugging Face config: "
+                          f"{str(exc).splitlines()[0]}"[:300]) from None
+    try:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            net = transformers.AutoModelForCausalLM.from_config(cfg)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{config}: no causal language model for its model_type "
+                          f"{getattr(cfg, 'model_type', '?')!r}: {str(exc).splitlines()[0]}"
+                          [:300]) from None
+    return net, getattr(cfg, "vocab_size", None)

@@ -43,7 +43,7 @@ from rematlab.core.guard import Evidence
 from rematlab.core.recipe import Step
 from rematlab.core.steps import is_oom, preserved
 from rematlab.core.timer import Timer, Timing, Turns
-from rematlab.exceptions import ConfigError
+from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.planning.batchfit import CASES, BatchFit, BatchSearch
 from rematlab.planning.bisect import confirmed, largest, scaled
@@ -191,6 +191,8 @@ class _Searcher:
         one sample above: nothing is measured."""
         batch = self.estimate(case, rounds=0)  # fake profiles are affine in the batch
         if self.target is not None and self.target.kind == "cuda":
+            if self.step.layout is not None:
+                return self._rank_fit(case, batch)
             batch = self._reserved_fit(case, batch)
         if batch < 1:
             return BatchFit(case=case, batch=0, peak=None, over=self.modelled(case, 1),
@@ -219,6 +221,34 @@ class _Searcher:
                 break
             batch = min(batch - 1, batch * self.budget.nbytes // reserved)
         return batch
+
+    def _rank_fit(self, case: str, batch: int) -> BatchFit:
+        """Under a layout, down from `batch` until one rank's plan fits as `Planning.choose`
+        fits it (its band's upper end within the budget: the rank run on a fake group, or
+        its simulation when not verifying), by the share it overshoots; the plan, peak and
+        step time are that batch's own profile's."""
+        while batch >= 1:
+            planning = self.planning(batch)
+
+            def pick(p: Planning = planning) -> tuple[Plan | None, int]:
+                if case == "none":
+                    plain = none_plan(p.costs.n)
+                    upper = p.band(plain).upper
+                    return (plain if upper <= self.budget.nbytes else None), upper
+                try:
+                    return p.choose(self.budget.nbytes), self.budget.nbytes
+                except InfeasibleBudgetError as exc:
+                    return None, exc.min_peak
+            chosen, upper = self._with_batch(planning, batch, pick)
+            if chosen is not None:
+                peak, step = simulate(chosen, planning.costs)
+                return BatchFit(case=case, batch=batch, peak=peak, over=None, estimate=batch,
+                                measured=0, at_limit=batch >= self.limit,
+                                plan=chosen.describe() if case == "optimal" else None,
+                                step_s=step, throughput=batch / step if step > 0 else None)
+            batch = min(batch - 1, batch * self.budget.nbytes // max(1, upper))
+        return BatchFit(case=case, batch=0, peak=None, over=self.modelled(case, 1),
+                        estimate=0, measured=0, at_limit=False)
 
     def find(self, case: str) -> BatchFit:
         estimate = self.estimate(case)

@@ -13,6 +13,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.planning import predicted as pred
 from rematlab.planning.reserve import CardMemory, card_memory
 from rematlab.plans.plan import Plan
+from rematlab.plans.simulate import simulate
 from rematlab.preflight.band import Band, What, band, family
 
 
@@ -25,19 +26,23 @@ class OnCard:
     structure: Any
     batch: Any
     step: Any
+    verify: bool
+    costs: Any
     _cards: dict[str, CardMemory]
     _measure_cached: Callable[[Plan], int]  # `Planning`'s: a rank's step, run once
 
     def band(self, chosen: Plan, what: What = "reserved") -> Band:
         """`chosen`'s predicted peak for a GPU target as a band (`rematlab.preflight.band`):
         the point (one card's step replayed through the caching allocator, its `what` peak;
-        or one rank's sharded step) and the most the card may hold, which budgets meet."""
+        or one rank's sharded step, run on a fake group, or simulated when the planning
+        does not verify) and the most the card may hold, which budgets meet."""
         if self.target is None or self.target.kind != "cuda":
             raise ConfigError("a band is predicted for a GPU target: "
                               "prepare(..., predict=True, target='h100-80gb', ...)")
         where = "card" if self.ranks is None else "rank"
         point = (getattr(self.card(chosen), what) if self.ranks is None
-                 else self._measure_cached(chosen))
+                 else self._measure_cached(chosen) if self.verify
+                 else simulate(chosen, self.costs)[0])  # a rank not run: its simulation
         return band(point, (where, what, family(self.model)))
 
     def _upper(self, peak: int, where: str) -> int:

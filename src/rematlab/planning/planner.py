@@ -96,9 +96,8 @@ class Planning(OnCard):
         if not self.verify:
             if self.target is None:
                 return self.floor
-            reserved = self._reserved(self.solution.frontier[0])
-            return max(pred.with_margin(self.floor), 0 if reserved is None
-                       else self._upper(reserved, "card"))
+            upper = self._unverified_upper(self.solution.frontier[0])
+            return max(pred.with_margin(self.floor), upper or 0)
         if self.ranks is not None:  # a rank's simulated costs are approximate; its run is not
             floor = self._measure_cached(self.solution.frontier[0])
             return floor if self.target is None else self._upper(floor, "rank")  # fake group
@@ -173,11 +172,24 @@ class Planning(OnCard):
                     and candidate is not frontier[0]):
                 continue
             reserved = self._reserved(candidate)
-            upper = None if reserved is None else self._upper(reserved, "card")
+            upper = self._unverified_upper(candidate)
             if upper is None or upper <= limit:
                 return replace(self._named(candidate, name, limit), reserved_peak=reserved)
             skip_above = (candidate.predicted_peak or 0) - (upper - limit)
         raise infeasible(limit, self.floor_budget())
+
+    def _unverified_upper(self, chosen: Plan) -> int | None:
+        """The upper end of an unverified plan's band on a GPU target: its reserved peak's
+        on one card, its simulated peak's for one rank of a layout (no rank run); None
+        for a CPU target."""
+        if self.target is None or self.target.kind != "cuda":
+            return None
+        reserved = self._reserved(chosen)
+        if reserved is not None:
+            return self._upper(reserved, "card")
+        if self.ranks is None:
+            return None
+        return self._upper(simulate(chosen, self.costs)[0], "rank")
 
     def _verified(self, pool: list[Plan], limit: int, name: str) -> Plan | None:
         """The first of `pool` (fastest first) whose measured peak fits; None if none."""

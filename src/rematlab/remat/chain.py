@@ -17,6 +17,7 @@ and times are replaced by FLOPs (what the study's analytic features use).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -289,13 +290,34 @@ def cuda_target(target: Target | None) -> bool:
     return target is not None and target.kind == "cuda"
 
 
+# fake or meta parameters' optimizer phase by their shapes, the step and the target's kind:
+# what pricing one model for several cards (`rematlab rent`) would otherwise run each time
+_SHAPED_OPTIMIZERS: dict[tuple, tuple[int, int]] = {}
+
+
 def optimizer_memory(params: list[torch.Tensor], step: Step, unit: int = 1,
                      cuda: bool = False) -> tuple[int, int]:
     """Bytes of the step's optimizer state (and a GradScaler's) and the transient peak of its
     optimizer phase — unscaling, clipping and the update, as the user's step runs them —
     measured on tensors shaped like `params` on their device (meta costs nothing), with the
     optimizer made as for CUDA parameters when `cuda` (a CUDA target: `Step.make_optimizer`);
-    (0, 0) without an optimizer."""
+    (0, 0) without an optimizer. Without data (fake or meta parameters) the figures depend
+    on shapes alone, and are kept per shapes and step."""
+    shaped = bool(params) and (params[0].device.type == "meta" or is_fake(params[0]))
+    if not shaped:
+        return _optimizer_memory(params, step, unit, cuda)
+    key = (tuple((tuple(p.shape), p.dtype, p.requires_grad, p.device.type) for p in params),
+           json.dumps(step.to_dict(), sort_keys=True, default=repr), step.optimizer, unit,
+           cuda)
+    if key not in _SHAPED_OPTIMIZERS:
+        if len(_SHAPED_OPTIMIZERS) >= 64:
+            _SHAPED_OPTIMIZERS.pop(next(iter(_SHAPED_OPTIMIZERS)))
+        _SHAPED_OPTIMIZERS[key] = _optimizer_memory(params, step, unit, cuda)
+    return _SHAPED_OPTIMIZERS[key]
+
+
+def _optimizer_memory(params: list[torch.Tensor], step: Step, unit: int, cuda: bool
+                      ) -> tuple[int, int]:
     trainable = [p for p in params if p.requires_grad]
     clones = [nn.Parameter(torch.zeros_like(p)) for p in trainable]
     for c in clones:
