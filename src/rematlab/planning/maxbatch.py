@@ -191,9 +191,7 @@ class _Searcher:
         one sample above: nothing is measured."""
         batch = self.estimate(case, rounds=0)  # fake profiles are affine in the batch
         if self.target is not None and self.target.kind == "cuda":
-            if self.step.layout is not None:
-                return self._rank_fit(case, batch)
-            batch = self._reserved_fit(case, batch)
+            return self._chosen_fit(case, batch)
         if batch < 1:
             return BatchFit(case=case, batch=0, peak=None, over=self.modelled(case, 1),
                             estimate=0, measured=0, at_limit=False)
@@ -207,26 +205,12 @@ class _Searcher:
                         plan=chosen.describe() if case == "optimal" else None, step_s=step,
                         throughput=batch / step if step > 0 else None)
 
-    def _reserved_fit(self, case: str, batch: int) -> int:
-        """Down from `batch` until its plan's reserved peak on the target's card (the step
-        replayed through the caching allocator, `Planning.card`) is within the budget, by
-        the share it overshoots."""
-        while batch >= 1:
-            planning = self.planning(batch)
-            chosen = (none_plan(planning.costs.n) if case == "none"
-                      else planning.solution.plan_for(self.room))
-            reserved = self._with_batch(planning, batch,
-                                        lambda p=planning, c=chosen: p.card(c).reserved)
-            if reserved <= self.budget.nbytes:
-                break
-            batch = min(batch - 1, batch * self.budget.nbytes // reserved)
-        return batch
-
-    def _rank_fit(self, case: str, batch: int) -> BatchFit:
-        """Under a layout, down from `batch` until one rank's plan fits as `Planning.choose`
-        fits it (its band's upper end within the budget: the rank run on a fake group, or
-        its simulation when not verifying), by the share it overshoots; the plan, peak and
-        step time are that batch's own profile's."""
+    def _chosen_fit(self, case: str, batch: int) -> BatchFit:
+        """On a GPU target, down from `batch` until its step fits as `Planning.choose` fits
+        it — the band's upper end within the budget: of the step replayed through the
+        caching allocator on one card, of one rank's (run on a fake group, or simulated when
+        not verifying) under a layout — by the share it overshoots; the plan, peak and step
+        time are that batch's own profile's, so `choose` at the batch found agrees."""
         while batch >= 1:
             planning = self.planning(batch)
 
