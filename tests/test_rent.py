@@ -95,7 +95,7 @@ def test_a_card_too_small_for_any_plan_is_a_misfit_with_why():
     ({"cards": ["h900"]}, "unknown card 'h900'"),
     ({"counts": [0]}, "card count must be between 1"),
     ({"counts": []}, "at least one card count"),
-    ({"layout": "tp"}, "layout must be one of fsdp, ddp"),
+    ({"layouts": "tp"}, "unknown keyword"),
     ({"prices": {"h100-80gb": -1.0}}, "0 or more"),
     ({"prices": {"h100-80gb": float("nan")}}, "0 or more"),
     ({"work": Work(samples=5), "step": "adamw"}, "step must be a rematlab.Step"),
@@ -151,6 +151,7 @@ def test_the_cli_prints_the_ranked_table_and_json(tmp_path):
     (["--tokens", "1e9", "--price", "h100-80gb=-2"], "0 or more"),
     (["--tokens", "1e9", "--price", "h100-80gb"], "CARD=USD"),
     (["--tokens", "1e9", "--counts", "2,x"], "whole numbers"),
+    (["--tokens", "1e9", "--layout", "tp"], "--layout must be fsdp or ddp"),
     (["--tokens", "1e9", "--prices", "missing.json"], "cannot read the price file"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, extra, message):

@@ -10,7 +10,9 @@ on `plan`, `prepare` and `max_batch`) plans without running, for a device that i
 describes the user's own training step (autocast, micro-batches, clipping, optimizer, and
 its parallel layout: `FSDP` or `DDP`, planned per rank), for which every plan and measurement
 is then made; `PlanOptions` says how to plan (its fields are also keywords of `plan`,
-`prepare`, `max_batch` and `auto`). `zoo` holds the study's six architectures.
+`prepare`, `max_batch` and `auto`). `rent` prices
+every card x count for the user's step and work (which card to rent, with which plan).
+`zoo` holds the study's six architectures.
 """
 
 from rematlab.core.layout import DDP, FSDP
@@ -24,6 +26,7 @@ from rematlab.planning.auto import auto
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.options import PlanOptions
 from rematlab.planning.planner import Planning, plan, prepare
+from rematlab.planning.rent import RentResult, Work, rent
 from rematlab.plans.plan import Plan
 from rematlab.preflight.targets import PROFILES, Target
 from rematlab.remat.strategies import apply, parse
@@ -56,9 +59,11 @@ __all__ = [
     "Planning",
     "Predictor",
     "RematlabError",
+    "RentResult",
     "Spec",
     "Step",
     "Target",
+    "Work",
     "__version__",
     "add_lora",
     "apply",
@@ -70,5 +75,6 @@ __all__ = [
     "plan",
     "predict",
     "prepare",
+    "rent",
     "zoo",
 ]

@@ -93,10 +93,17 @@ def rent_cmd(
                           [:200])
     source = ModelSource(model, None, input_shape, input_dtype, vocab, example, dtype, lora)
     net, batches = model_and_batches(source, "cpu", predict=True)
-    step = _step(optimizer, precision, micro_batches, clip, False, step_fn)
+    if layout not in ("fsdp", "ddp"):
+        raise ConfigError(f"--layout must be fsdp or ddp, got {layout!r}"[:200])
+    from dataclasses import replace
+
+    from rematlab.core.layout import DDP, FSDP
+
+    step = replace(_step(optimizer, precision, micro_batches, clip, False, step_fn),
+                   layout=FSDP() if layout == "fsdp" else DDP())
     with console.status("pricing") as status:
         result = rent(net, batches(batch), work=work, step=step, cards=cards,
-                      counts=wanted, layout=layout, prices=table, largest=largest,
+                      counts=wanted, prices=table, largest=largest,
                       progress=lambda what: status.update(f"pricing {what}"))
     if figure is not None:
         _figure(result, figure)

@@ -35,7 +35,7 @@ from torch import nn
 
 from rematlab.core.batch import Batch, tensors
 from rematlab.core.checks import bounded, one_line
-from rematlab.core.layout import DDP, FSDP
+from rematlab.core.layout import FSDP
 from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.planning.maxbatch import max_batch
@@ -46,7 +46,6 @@ from rematlab.plans.simulate import overhead, simulate
 from rematlab.preflight.targets import PROFILES
 
 COUNTS = (1, 2, 4, 8)
-LAYOUTS = ("fsdp", "ddp")
 BY = ("cost", "hours")
 MAX_COUNT = 1 << 16
 
@@ -183,21 +182,26 @@ class RentResult:
         return (r.card, r.count)
 
 
-def rent(model: nn.Module, example: Batch, *, work: Work,
-         step: Step | None = None, cards: Iterable[str] | None = None,
-         counts: Iterable[int] = COUNTS, layout: str = "fsdp",
-         prices: Mapping[str, Price | float] | None = None, largest: bool = True,
-         verify: bool = False, progress: Callable[[str], None] | None = None) -> RentResult:
+def rent(model: nn.Module, example: Batch, *, work: Work, step: Step | None = None,
+         cards: Iterable[str] | None = None, counts: Iterable[int] = COUNTS,
+         prices: Mapping[str, Price | float] | None = None, **how: Any) -> RentResult:
     """Every card x count priced for `model`'s `step` on `example` (a batch, per rank;
     shapes only will do) doing `work` (module docstring). `cards`: profile names (default:
     every profile, `rematlab.PROFILES`); `counts`: data-parallel ranks, each its own card,
-    spread by `layout` ("fsdp" or "ddp"; `step.layout`, when given, sets its other settings);
-    `prices`: per card, over the shipped table (`rematlab.planning.prices.PRICES`); a card
-    with no price is priced in hours only. `largest`: also the largest batch per rank and its
-    throughput (two more fake profiles per configuration). `verify`: each rank's plan is
-    run on a fake group of ranks, as `plan(..., predict=True)` checks it (about 10 s per
-    candidate plan for an 8B model, on this CPU), instead of taken from the per-rank
-    simulation, whose band covers its error."""
+    spread by `step.layout` (its kind and settings, FSDP2 when it has none) at that world
+    size; `prices`: per card, over the shipped table (`rematlab.planning.prices.PRICES`); a
+    card with no price is priced in hours only. `how`: `largest` (default True) also finds
+    the largest batch per rank and its throughput (more fake profiles per configuration);
+    `verify` (default False) runs each rank's plan on a fake group of ranks, as
+    `plan(..., predict=True)` checks it (about 10 s per candidate plan for an 8B model on
+    this CPU), instead of taking the per-rank simulation, whose band covers its error;
+    `progress(text)` is told each configuration as it starts."""
+    unknown = set(how) - {"largest", "verify", "progress"}
+    if unknown:
+        raise ConfigError(f"rent() got unknown keyword(s) {sorted(unknown)}; it takes work, "
+                          "step, cards, counts, prices, largest, verify and progress")
+    largest, verify = how.get("largest", True), how.get("verify", False)
+    progress: Callable[[str], None] | None = how.get("progress")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"rent() needs an nn.Module, got {type(model).__name__}")
     if not isinstance(work, Work):
@@ -205,8 +209,6 @@ def rent(model: nn.Module, example: Batch, *, work: Work,
     step = step if step is not None else Step()
     if not isinstance(step, Step):
         raise ConfigError(f"step must be a rematlab.Step, got {type(step).__name__}")
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}"[:200])
     names = _cards(cards)
     wanted = _counts(counts)
     table = _prices(prices)
@@ -218,8 +220,8 @@ def rent(model: nn.Module, example: Batch, *, work: Work,
         for count in wanted:
             if progress is not None:
                 progress(f"{card} x {count}")
-            rows.append(_priced(model, batch, _step_for(step, layout, count), card, count,
-                                layout, work, per_step, table.get(card), largest, verify))
+            job = _Job(model, batch, work, per_step, largest, verify)
+            rows.append(_priced(job, _step_for(step, count), card, count, table.get(card)))
     return RentResult(tuple(rows), work, time.perf_counter() - started)
 
 
@@ -252,13 +254,25 @@ def _prices(prices: Mapping[str, Price | float] | None) -> dict[str, Price]:
     return table
 
 
-def _step_for(step: Step, layout: str, count: int) -> Step:
+def _step_for(step: Step, count: int) -> Step:
     """`step` over `count` ranks: no layout on one card; else the step's own layout (its
-    dtypes and buckets) or a default one of kind `layout`, at that world size."""
+    dtypes and buckets; FSDP2's defaults when it has none) at that world size."""
     if count == 1:
         return replace(step, layout=None)
-    base = step.layout if step.layout is not None else (FSDP() if layout == "fsdp" else DDP())
+    base = step.layout if step.layout is not None else FSDP()
     return replace(step, layout=replace(base, world_size=count))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every configuration of one `rent` call shares."""
+
+    model: nn.Module
+    batch: Batch
+    work: Work
+    per_step: int  # tokens or samples of one rank's optimizer step
+    largest: bool
+    verify: bool
 
 
 def _work_per_step(batch: Batch, step: Step, work: Work) -> int:
@@ -276,16 +290,15 @@ def _work_per_step(batch: Batch, step: Step, work: Work) -> int:
     return samples * first.shape[1]
 
 
-def _priced(model: nn.Module, batch: Batch, step: Step, card: str, count: int,
-            layout: str, work: Work, per_step: int, price: Price | None, largest: bool,
-            verify: bool) -> Rental:
+def _priced(job: _Job, step: Step, card: str, count: int, price: Price | None) -> Rental:
     """One configuration: planned for one rank on `card`, timed, priced."""
-    kind = "one card" if count == 1 else layout
+    model, batch, work, per_step = job.model, job.batch, job.work, job.per_step
+    kind = "one card" if count == 1 else step.layout.kind  # type: ignore[union-attr]
     cost_of = {"usd_per_hour": None if price is None else price.usd_per_hour,
                "price_source": None if price is None else price.source}
     try:
         planning = prepare(model, batch, predict=True, target=card, step=step,
-                           verify=verify)
+                           verify=job.verify)
     except InfeasibleBudgetError as exc:
         return Rental(card, count, kind, fits=False, why=one_line(exc), **cost_of)
     limit = planning.budget("auto").nbytes
@@ -304,8 +317,7 @@ def _priced(model: nn.Module, batch: Batch, step: Step, card: str, count: int,
     hours = work.amount / per_s / 3600 if per_s else None
     cost = (hours * count * price.usd_per_hour if hours is not None and price is not None
             else None)
-    big, big_per_s = (_largest(model, batch, step, card, count, per_step, verify)
-                      if largest else (None, None))
+    big, big_per_s = (_largest(job, step, card, count) if job.largest else (None, None))
     return Rental(card, count, kind, fits=True, fits_plain=plain.upper <= limit,
                   plan=chosen.describe(),
                   remat=any(not isinstance(it, int) for it in chosen.items),
@@ -314,17 +326,16 @@ def _priced(model: nn.Module, batch: Batch, step: Step, card: str, count: int,
                   largest_per_s=big_per_s, hours=hours, cost=cost, **cost_of)
 
 
-def _largest(model: nn.Module, batch: Batch, step: Step, card: str, count: int,
-             per_step: int, verify: bool) -> tuple[int | None, float | None]:
+def _largest(job: _Job, step: Step, card: str, count: int) -> tuple[int | None, float | None]:
     """The largest batch per rank whose optimal plan fits the card, and the job's tokens or
     samples per second at it (`max_batch`, predicted)."""
-    found = max_batch(model, batch, "auto", predict=True, target=card, step=step,
-                      cases=("optimal",), repeats=0, verify=verify)
+    found = max_batch(job.model, job.batch, "auto", predict=True, target=card, step=step,
+                      cases=("optimal",), repeats=0, verify=job.verify)
     fit = found.fit("optimal")
     if not fit.batch or not fit.step_s:
         return fit.batch or None, None
-    first = next(tensors(batch))
-    scale = per_step / first.shape[0]  # tokens or samples per sample of the batch
+    first = next(tensors(job.batch))
+    scale = job.per_step / first.shape[0]  # tokens or samples per sample of the batch
     return fit.batch, fit.batch * scale * count / fit.step_s
 
 
