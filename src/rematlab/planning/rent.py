@@ -135,7 +135,8 @@ class RentResult:
         if not pool:
             raise ConfigError("no configuration fits" + ("" if self.fitting else
                               ": every one is listed in misfits with why"))
-        return min(pool, key=lambda r: (getattr(r, by), r.hours if by == "cost" else r.cost))
+        other = "hours" if by == "cost" else "cost"  # ties: the faster, or the cheaper
+        return min(pool, key=lambda r: (getattr(r, by), getattr(r, other) or 0.0))
 
     def pareto(self) -> list[Rental]:
         """The configurations no other beats on both cost and hours, cheapest first: the
@@ -212,15 +213,14 @@ def rent(model: nn.Module, example: Batch, *, work: Work, step: Step | None = No
     names = _cards(cards)
     wanted = _counts(counts)
     table = _prices(prices)
-    batch = example
-    per_step = _work_per_step(batch, step, work)
+    per_step = _work_per_step(example, step, work)
+    job = _Job(model, example, work, per_step, largest, verify)
     started = time.perf_counter()
     rows = []
     for card in names:
         for count in wanted:
             if progress is not None:
                 progress(f"{card} x {count}")
-            job = _Job(model, batch, work, per_step, largest, verify)
             rows.append(_priced(job, _step_for(step, count), card, count, table.get(card)))
     return RentResult(tuple(rows), work, time.perf_counter() - started)
 
