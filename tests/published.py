@@ -119,6 +119,18 @@ def plan_of(row: dict, planning: Planning) -> Plan:
     return fixed[name](n) if name in fixed else peer_plan(planning.costs, name)
 
 
+# Rows that miss a goal of `tests/test_published.py`: (row, "memory"/"tokens") -> (the bound
+# the error lies in now, its cause). `benchmarks/published.py` prints them on the docs page.
+KNOWN_GAPS = {
+    ("torchtitan-h100-t1-fsdp", "memory"): (
+        (-0.12, 0.0), "a rank's allocated peak against torchtitan's reserved one: under a layout "
+        "there is no allocator replay yet, and FSDP2's all-gather and reduce-scatter streams "
+        "hold segments of their own; the band's rank width (13.5 %) is fitted on this row"),
+    ("torchtitan-h100-t3-fsdp128", "memory"): (
+        (-0.08, 0.0), "as the 8-card row: allocated against reserved under FSDP2's streams"),
+}
+
+
 SETTINGS = ("model", "cards", "layout", "batch", "sequence", "optimizer", "clip", "precision")
 
 

@@ -2,6 +2,7 @@
 the work turned into hours and cost, bad input refused in one line."""
 
 import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from rematlab.exceptions import ConfigError
 from rematlab.planning.prices import PRICES, Price, read_prices
 from rematlab.planning.rent import Work, rent
 from rematlab.plans.fixed import none_plan
+from rematlab.plans.simulate import simulate
+from rematlab.preflight.shared import shared_runs
+from rematlab.preflight.targets import PROFILES, resolve_target
 from tests import clirun
 
 CONFIG = {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 8192,
@@ -58,6 +62,47 @@ def test_every_row_is_pre_flights_own_plan_and_prices_the_work(result):
         assert r.largest_batch is not None and r.largest_batch >= 32
     four = [r for r in result.rows if r.card == "rtx4090"]
     assert all(r.usd_per_hour == 0.5 and r.price_source == "given by the caller" for r in four)
+
+
+def test_a_card_priced_from_another_cards_fake_runs_is_priced_as_alone(result):
+    """rent prices the 4090 from the H100's fake profile and allocator trace (one fake run
+    per kind of card, `shared_runs`): its row is what pre-flight gives the 4090 alone."""
+    four = next(r for r in result.rows if r.card == "rtx4090" and r.count == 1)
+    planning = rematlab.prepare(_model(), _ids(32, 4096), predict=True, target="rtx4090",
+                                step=STEP, verify=False)
+    chosen = planning.choose("auto")
+    assert four.plan == chosen.describe()
+    assert four.step_s == simulate(chosen, planning.costs)[1]
+    held = planning.band(chosen)
+    assert (four.peak, four.upper) == (held.point, held.upper)
+
+
+def test_an_allocator_trace_replayed_for_another_card_is_that_cards_replay():
+    h100 = rematlab.prepare(_model(), _ids(8, 512), predict=True, target="h100-80gb",
+                            step=STEP, verify=False)
+    plan = h100.choose("auto")
+    alone = h100.card(plan)
+    with shared_runs():
+        rematlab.prepare(_model(), _ids(8, 512), predict=True, target="rtx4090", step=STEP,
+                         verify=False).card(plan)
+        again = rematlab.prepare(_model(), _ids(8, 512), predict=True, target="h100-80gb",
+                                 step=STEP, verify=False).card(plan)
+    assert again == alone and alone.allocated > 0 and alone.reserved >= alone.allocated
+
+
+def test_a_card_with_no_profile_is_given_as_a_target():
+    pcie = resolve_target({**asdict(PROFILES["h100-80gb"]), "name": "h100-pcie",
+                           "bandwidth": 2.0e12, "flops": {"float32": 51e12,
+                                                          "bfloat16": 756e12}})
+    got = rent(_model(), _ids(8, 512), work=Work(tokens=10**8), step=STEP,
+               cards=[pcie, "h100-80gb"], counts=[1], prices={"h100-pcie": 2.0},
+               largest=False)
+    rows = {r.card: r for r in got.rows}
+    assert rows["h100-pcie"].usd_per_hour == 2.0 and rows["h100-pcie"].fits
+    assert rows["h100-pcie"].step_s > rows["h100-80gb"].step_s  # slower card, same plan room
+    with pytest.raises(ConfigError, match="cpu target"):
+        rent(_model(), _ids(8, 512), work=Work(tokens=10**8),
+             cards=[replace(PROFILES["h100-80gb"], name="host", kind="cpu")])
 
 
 def test_a_plan_fits_the_small_card_where_the_plain_step_does_not(result):

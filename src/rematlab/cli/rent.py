@@ -158,15 +158,15 @@ def _print_result(result: Any, model: str) -> None:
                   "tensors, each card's roofline)")
     front = {(r.card, r.count) for r in result.pareto()}
     table = Table(title="ranked by cost (* on the cost/hours front)")
-    for col in ("card", "n", "plain fits", "plan", "peak / upper per rank", "step",
+    for col in ("card", "n", "plain fits", "recomputed", "peak / upper per rank", "step",
                 f"{work.unit}/s", "largest batch", "hours", "$/GPU-h", "cost",
                 "vs cheapest plain"):
-        table.add_column(col, justify="right" if col not in ("card", "plan") else "left")
+        table.add_column(col, justify="right" if col != "card" else "left")
     for r in (r for r in result.ranked() if r.fits):
         against = cost_against_plain(result, r)
         table.add_row(f"{r.card}{' *' if (r.card, r.count) in front else ''}", str(r.count),
                       "yes" if r.fits_plain else "no",
-                      "none" if not r.remat else (r.plan or "")[:40],
+                      "none" if not r.remat else f"{r.recomputed} of {r.blocks}",
                       f"{r.peak / 2**30:.1f} / {r.upper / 2**30:.1f} GiB",
                       f"{r.step_s:.3f} s", f"{r.per_s:,.0f}",
                       "" if r.largest_batch is None else str(r.largest_batch),

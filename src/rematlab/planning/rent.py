@@ -40,10 +40,12 @@ from rematlab.core.recipe import Step
 from rematlab.exceptions import ConfigError, InfeasibleBudgetError
 from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import prepare
+from rematlab.planning.predicted import with_margin
 from rematlab.planning.prices import PRICES, Price, card_name
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.simulate import overhead, simulate
-from rematlab.preflight.targets import PROFILES
+from rematlab.preflight.shared import shared_runs
+from rematlab.preflight.targets import PROFILES, Target
 
 COUNTS = (1, 2, 4, 8)
 BY = ("cost", "hours")
@@ -91,6 +93,8 @@ class Rental:
     fits_plain: bool = False
     plan: str | None = None
     remat: bool = False
+    recomputed: int = 0  # blocks of `blocks` that the plan recomputes (`Plan.recomputed`)
+    blocks: int | None = None
     peak: int | None = None
     upper: int | None = None
     budget: int | None = None
@@ -184,19 +188,20 @@ class RentResult:
 
 
 def rent(model: nn.Module, example: Batch, *, work: Work, step: Step | None = None,
-         cards: Iterable[str] | None = None, counts: Iterable[int] = COUNTS,
+         cards: Iterable[str | Target] | None = None, counts: Iterable[int] = COUNTS,
          prices: Mapping[str, Price | float] | None = None, **how: Any) -> RentResult:
-    """Every card x count priced for `model`'s `step` on `example` (a batch, per rank;
-    shapes only will do) doing `work` (module docstring). `cards`: profile names (default:
-    every profile, `rematlab.PROFILES`); `counts`: data-parallel ranks, each its own card,
-    spread by `step.layout` (its kind and settings, FSDP2 when it has none) at that world
-    size; `prices`: per card, over the shipped table (`rematlab.planning.prices.PRICES`); a
-    card with no price is priced in hours only. `how`: `largest` (default True) also finds
-    the largest batch per rank and its throughput (more fake profiles per configuration);
-    `verify` (default False) runs each rank's plan on a fake group of ranks, as
-    `plan(..., predict=True)` checks it (about 10 s per candidate plan for an 8B model on
-    this CPU), instead of taking the per-rank simulation, whose band covers its error;
-    `progress(text)` is told each configuration as it starts."""
+    """Every card x count priced for `model`'s `step` on `example` (a batch, per rank; shapes
+    only will do) doing `work` (module docstring). `cards`: profile names (default: every
+    profile, `rematlab.PROFILES`), or `Target`s of cards with no profile (a PCIe or 96 GB
+    variant: `rematlab.preflight.targets.resolve_target`); `counts`: data-parallel ranks,
+    each its own card, spread by `step.layout` (its kind and settings, FSDP2 when it has
+    none) at that world size; `prices`: per card, over the shipped table
+    (`rematlab.planning.prices.PRICES`); a card with no price is priced in hours only.
+    `how`: `largest` (default True) also finds the largest batch per rank and its throughput
+    (more fake profiles per configuration); `verify` (default False) runs each rank's plan
+    on a fake group of ranks, as `plan(..., predict=True)` checks it (about 10 s per
+    candidate plan for an 8B model on this CPU), instead of taking the per-rank simulation,
+    whose band covers its error; `progress(text)` is told each configuration as it starts."""
     unknown = set(how) - {"largest", "verify", "progress"}
     if unknown:
         raise ConfigError(f"rent() got unknown keyword(s) {sorted(unknown)}; it takes work, "
@@ -210,30 +215,43 @@ def rent(model: nn.Module, example: Batch, *, work: Work, step: Step | None = No
     step = step if step is not None else Step()
     if not isinstance(step, Step):
         raise ConfigError(f"step must be a rematlab.Step, got {type(step).__name__}")
-    names = _cards(cards)
+    chosen = _cards(cards)
     wanted = _counts(counts)
-    table = _prices(prices)
+    table = _prices(prices, {n for n, c in chosen.items() if isinstance(c, Target)})
     per_step = _work_per_step(example, step, work)
     job = _Job(model, example, work, per_step, largest, verify)
     started = time.perf_counter()
     rows = []
-    for card in names:
+    with shared_runs():  # one fake run per batch and kind of card, reused for each card
         for count in wanted:
-            if progress is not None:
-                progress(f"{card} x {count}")
-            rows.append(_priced(job, _step_for(step, count), card, count, table.get(card)))
+            for name, card in chosen.items():
+                if progress is not None:
+                    progress(f"{name} x {count}")
+                rows.append(_priced(job, _step_for(step, count), name, card, count,
+                                    table.get(name)))
     return RentResult(tuple(rows), work, time.perf_counter() - started)
 
 
-def _cards(cards: Iterable[str] | None) -> list[str]:
+def _cards(cards: Iterable[str | Target] | None) -> dict[str, str | Target]:
+    """The cards by name: a profile's name, or a given target's own."""
     if cards is None:
-        return list(PROFILES)
+        return {name: name for name in PROFILES}
     if isinstance(cards, str):
         cards = [c.strip() for c in cards.split(",")]
-    names = [card_name(c) for c in cards]
-    if not names:
+    out: dict[str, str | Target] = {}
+    for card in cards:
+        if isinstance(card, Target):
+            if card.kind != "cuda":
+                raise ConfigError(f"card {card.name!r} is a {card.kind} target; rent prices "
+                                  "GPU cards")
+            out[card.name] = card
+        elif isinstance(card, str):
+            out[card_name(card)] = card_name(card)
+        else:
+            raise ConfigError(f"a card is a profile name or a Target, got {card!r}"[:200])
+    if not out:
         raise ConfigError("give at least one card")
-    return list(dict.fromkeys(names))
+    return out
 
 
 def _counts(counts: Iterable[int]) -> list[int]:
@@ -245,10 +263,12 @@ def _counts(counts: Iterable[int]) -> list[int]:
     return sorted(set(out))
 
 
-def _prices(prices: Mapping[str, Price | float] | None) -> dict[str, Price]:
+def _prices(prices: Mapping[str, Price | float] | None, custom: set[str]) -> dict[str, Price]:
+    """The shipped table with `prices` over it; `custom`: the given targets' names, priced
+    by name."""
     table = dict(PRICES)
     for name, value in (prices or {}).items():
-        card = card_name(name)
+        card = name if name in custom else card_name(name)
         table[card] = (value if isinstance(value, Price)
                        else Price(card, value, "given by the caller", ""))
     return table
@@ -290,8 +310,9 @@ def _work_per_step(batch: Batch, step: Step, work: Work) -> int:
     return samples * first.shape[1]
 
 
-def _priced(job: _Job, step: Step, card: str, count: int, price: Price | None) -> Rental:
-    """One configuration: planned for one rank on `card`, timed, priced."""
+def _priced(job: _Job, step: Step, name: str, card: str | Target, count: int,
+            price: Price | None) -> Rental:
+    """One configuration: planned for one rank on `card` (named `name`), timed, priced."""
     model, batch, work, per_step = job.model, job.batch, job.work, job.per_step
     kind = "one card" if count == 1 else step.layout.kind  # type: ignore[union-attr]
     cost_of = {"usd_per_hour": None if price is None else price.usd_per_hour,
@@ -300,13 +321,18 @@ def _priced(job: _Job, step: Step, card: str, count: int, price: Price | None) -
         planning = prepare(model, batch, predict=True, target=card, step=step,
                            verify=job.verify)
     except InfeasibleBudgetError as exc:
-        return Rental(card, count, kind, fits=False, why=one_line(exc), **cost_of)
+        return Rental(name, count, kind, fits=False, why=one_line(exc), **cost_of)
     limit = planning.budget("auto").nbytes
+    least = with_margin(planning.floor)  # unverified, `floor_budget` is at least this
+    if not job.verify and least > limit:  # so no replay is needed to refuse the card
+        return Rental(name, count, kind, fits=False, budget=limit,
+                      why=f"even the smallest plan's step needs at least {_gib(least)} GiB "
+                          f"on a rank, the card offers {_gib(limit)} GiB", **cost_of)
     plain = planning.band(none_plan(planning.costs.n))
     try:
         chosen = planning.choose(limit)
     except InfeasibleBudgetError:
-        return Rental(card, count, kind, fits=False, budget=limit,
+        return Rental(name, count, kind, fits=False, budget=limit,
                       why=f"even the smallest plan's step needs "
                           f"{_gib(planning.floor_budget())} GiB on a rank, the card "
                           f"offers {_gib(limit)} GiB", **cost_of)
@@ -318,15 +344,17 @@ def _priced(job: _Job, step: Step, card: str, count: int, price: Price | None) -
     cost = (hours * count * price.usd_per_hour if hours is not None and price is not None
             else None)
     big, big_per_s = (_largest(job, step, card, count) if job.largest else (None, None))
-    return Rental(card, count, kind, fits=True, fits_plain=plain.upper <= limit,
+    return Rental(name, count, kind, fits=True, fits_plain=plain.upper <= limit,
                   plan=chosen.describe(),
-                  remat=any(not isinstance(it, int) for it in chosen.items),
+                  remat=chosen.recomputed > 0, recomputed=chosen.recomputed,
+                  blocks=chosen.n_blocks,
                   peak=held.point, upper=held.upper, budget=limit, step_s=seconds,
                   overhead=overhead(seconds, plain_s), per_s=per_s, largest_batch=big,
                   largest_per_s=big_per_s, hours=hours, cost=cost, **cost_of)
 
 
-def _largest(job: _Job, step: Step, card: str, count: int) -> tuple[int | None, float | None]:
+def _largest(job: _Job, step: Step, card: str | Target, count: int
+             ) -> tuple[int | None, float | None]:
     """The largest batch per rank whose optimal plan fits the card, and the job's tokens or
     samples per second at it (`max_batch`, predicted)."""
     found = max_batch(job.model, job.batch, "auto", predict=True, target=card, step=step,

@@ -26,6 +26,7 @@ from rematlab.preflight.caching import CachingAllocator
 from rematlab.preflight.cards import BLAS_HANDLES
 from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.kernels import KernelScratch
+from rematlab.preflight.shared import model_key, shared
 from rematlab.preflight.targets import Target
 from rematlab.remat.strategies import RematChain, apply
 from rematlab.remat.structure import Structure
@@ -48,10 +49,59 @@ class CardMemory:
 
 def card_memory(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Plan,
                 target: Target) -> CardMemory:
-    """`chosen`'s step on `target`'s card (module docstring)."""
+    """`chosen`'s step on `target`'s card (module docstring). The step's allocations and
+    frees do not depend on which CUDA card it runs on, so inside
+    `rematlab.preflight.shared.shared_runs()` they are recorded once and replayed for each
+    card's capacity and workspaces."""
     if target.kind != "cuda":
         raise ConfigError(f"reserved memory is a CUDA card's: target {target.name} is a "
                           f"{target.kind}")
+    names = {id(m): name for name, m in model.named_modules()}
+    key = ("reserved", model_key(model, batch, step), st.kind,
+           tuple(names.get(id(b)) for b in st.blocks), chosen.describe())
+    return shared(key, lambda: _trace(model, st, batch, step, chosen)).replayed(target)
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """A fake step's allocations `(key, bytes)` and frees `(key, None)`, in order: the
+    model's and batch's tensors, then (at `blas_at`) the BLAS handles' workspaces, the
+    first step, and (from `second_at`) the step reported."""
+
+    events: list[tuple[object, int | None]]
+    blas_at: int
+    second_at: int
+
+    def alloc(self, key: object, nbytes: int) -> None:
+        self.events.append((key, nbytes))
+
+    def free(self, key: object) -> None:
+        self.events.append((key, None))
+
+    def replayed(self, target: Target) -> CardMemory:
+        """The trace through `target`'s caching allocator."""
+        allocator = CachingAllocator(capacity=target.usable)
+
+        def play(events: list[tuple[object, int | None]]) -> None:
+            for key, nbytes in events:
+                if nbytes is None:
+                    allocator.free(key)
+                else:
+                    allocator.alloc(key, nbytes)
+
+        play(self.events[:self.blas_at])
+        for handle in range(BLAS_HANDLES):
+            allocator.alloc(("blas", handle), target.workspace)
+        play(self.events[self.blas_at:self.second_at])
+        allocator.peak_allocated = allocator.allocated
+        play(self.events[self.second_at:])
+        return CardMemory(allocator.peak_allocated, allocator.peak_reserved, target.usable,
+                          allocator.fits)
+
+
+def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Plan
+           ) -> _Trace:
+    """`chosen`'s whole step, twice, on fake CUDA tensors, its allocations recorded."""
     session = FakeSession(cuda=True)
     if st.kind == "layers":
         names = {id(m): name for name, m in model.named_modules()}
@@ -59,19 +109,18 @@ def card_memory(model: nn.Module, st: Structure, batch: Batch, step: Step, chose
     else:
         planned = RematChain([meta_copy(b) for b in st.blocks], chosen)
         batch = one_tensor(batch)
-    allocator = CachingAllocator(capacity=target.usable)
-    tracker = LiveTensorTracker(unit=target.unit)
-    tracker.listener = allocator
+    trace = _Trace([], 0, 0)
+    tracker = LiveTensorTracker()
+    tracker.listener = trace
     with session.active():
         planned.to_empty(device="cpu")
         fake = session.batch(batch)
         tracker.track([*planned.parameters(), *planned.buffers(), *tensors(fake)])
-        for handle in range(BLAS_HANDLES):
-            allocator.alloc(("blas", handle), target.workspace)
         optimizer = step.make_optimizer(planned.parameters(), cuda=True)
+        blas_at = len(trace.events)
         with OpRecorder(KernelScratch(), tracker):
             step.train_step(planned, fake, optimizer=optimizer, readable=False)
-            allocator.peak_allocated = allocator.allocated
+            second_at = len(trace.events)
             step.train_step(planned, fake, optimizer=optimizer, readable=False)
-    return CardMemory(allocator.peak_allocated, allocator.peak_reserved, target.usable,
-                      allocator.fits)
+    tracker.listener = None  # the frees of the run's tensors after the step are not its
+    return _Trace(trace.events, blas_at, second_at)

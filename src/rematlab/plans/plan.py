@@ -216,6 +216,13 @@ class Plan:
         """Top-level checkpointed segments."""
         return [it for it in self.items if isinstance(it, Segment)]
 
+    @property
+    def recomputed(self) -> int:
+        """How many blocks recompute activations: those of top-level segments, and those
+        with an op-level option."""
+        return sum(it.end - it.start + 1 if isinstance(it, Segment) else 1
+                   for it in self.items if not isinstance(it, int))
+
     def describe(self) -> str:
         """Compact text form: `[0-3]{0,1,[2-3]} 4 5` (brackets are checkpointed segments),
         then torch.compile's memory budget if the plan sets one (`@ fraction 0.5`)."""

@@ -5,9 +5,10 @@ GPU figures are the vendors' data-sheet peaks (dense, no sparsity); `memory` is 
 driver reports as the card's total (what `torch.cuda.mem_get_info` returns), not the marketing
 "80 GB". A data-sheet peak is never reached: `efficiency` gives the fraction of it that real
 kernels reach (slowest, typical, fastest), so a predicted time is an interval. The typical
-fractions (60 % of matmul peak, 75 % of bandwidth) are what cuBLAS GEMMs of a transformer's
-sizes and PyTorch's elementwise kernels reach on these cards; `rematlab.preflight.calibrate`
-measures them on a device that is present instead.
+fractions (60 % of matmul peak on an H100, 75 % of bandwidth) are what cuBLAS GEMMs of a
+transformer's sizes and PyTorch's elementwise kernels reach; a card whose best matmul is
+measured (`MAMF`) has its matmul fractions scaled by it against the H100's;
+`rematlab.preflight.calibrate` measures them on a device that is present instead.
 
 On a CUDA target the allocator adds to the tensors (`rematlab.preflight.allocator`): every
 block is a multiple of 512 bytes (`unit`), the CUDA context lives outside the allocator
@@ -120,19 +121,45 @@ class Target:
 
 
 def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
-         source: str, workspace: int = CUBLAS_DEFAULT + CUBLASLT, fp16: float | None = None
-         ) -> Target:
+         source: str, workspace: int = CUBLAS_DEFAULT + CUBLASLT, fp16: float | None = None,
+         mamf: float | None = None) -> Target:
     """A data-sheet profile. `workspace`: the BLAS workspaces torch allocates per handle and
     stream (`BLAS_WORKSPACES`). `overhead`: an assumption, 3-10 µs per op of eager dispatch
     and kernel launch (5 typical), until a GPU here calibrates it; `checkpoint_host` the
-    assumed `HOST_CHECKPOINT`."""
+    assumed `HOST_CHECKPOINT`. `mamf`: the card's measured best bf16 matmul as a fraction of
+    its peak (`MAMF`), which scales its matmul efficiencies (`mamf_efficiency`)."""
     tera = 1e12
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
         flops={"float32": fp32 * tera, "bfloat16": bf16 * tera,
                "float16": (fp16 if fp16 is not None else bf16) * tera},
         bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6), checkpoint_host=HOST_CHECKPOINT,
-        context=CUDA_CONTEXT, workspace=workspace, source=source)
+        context=CUDA_CONTEXT, workspace=workspace,
+        efficiency=mamf_efficiency(mamf) if mamf is not None else Target.efficiency,
+        source=source + (f"; best bf16 matmul {mamf:.1%} of peak ({MAMF_SOURCE})"
+                         if mamf is not None else ""))
+
+
+# Maximum achievable matmul FLOPS (MAMF): the best bf16 `torch.matmul` over a brute-force
+# search of shapes, as a fraction of the dense peak, measured on each card with torch 2.5-2.7
+# (ROCm: TunableOp on). Cards differ: an A100 reaches more of its peak than an H100, an
+# MI300X far less. A training step's matmuls are not the best shape, so a profile's
+# efficiencies are the default ones scaled by its card's MAMF against the H100's: the H100
+# keeps (0.35, 0.6, 0.8), which the published H100 runs bear out (`tests/data/published`:
+# torchtitan's 8B on 8 and 128 H100s priced 5-8 % fast), and no card's fastest end passes its
+# MAMF. A card with no MAMF row keeps the default efficiencies.
+MAMF_SOURCE = ("stas00/ml-engineering compute/accelerator/README.md at b9e2972, 'Maximum "
+               "Achievable Matmul FLOPS comparison table', BF16")
+MAMF = {"a100-80gb": 0.869, "h100-80gb": 0.803, "mi300x": 0.514,
+        "mi250x-gcd": 0.767}  # MI250X: the table's v1 rows (ROCm 6.2, one GCD)
+
+
+def mamf_efficiency(mamf: float) -> tuple[float, float, float]:
+    """The (slowest, typical, fastest) matmul efficiencies of a card whose best matmul
+    reaches `mamf` of its peak (`MAMF`)."""
+    scale = mamf / MAMF["h100-80gb"]
+    low, typical, high = Target.efficiency
+    return (low * scale, typical * scale, min(high * scale, mamf))
 
 
 # Data sheets (dense tensor-core peaks; FP32 is non-tensor FP32, which PyTorch uses for fp32
@@ -146,19 +173,21 @@ def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
 PROFILES: dict[str, Target] = {t.name: t for t in (
     _gpu("a100-80gb", 81039, 19.5, 312, 2.039e12,
          "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 "
-         "TFLOPS, HBM2e 2,039 GB/s"),
+         "TFLOPS, HBM2e 2,039 GB/s", mamf=MAMF["a100-80gb"]),
     _gpu("h100-80gb", 81090, 67, 989.4, 3.35e12,
          "NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOPS, BF16 989 TFLOPS "
-         "(1,979 with sparsity), HBM3 3.35 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
+         "(1,979 with sparsity), HBM3 3.35 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT,
+         mamf=MAMF["h100-80gb"]),
     _gpu("h200", 143156, 67, 989.4, 4.8e12,
          "NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOPS, BF16 989 TFLOPS, "
-         "HBM3e 141 GB at 4.8 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
+         "HBM3e 141 GB at 4.8 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT,
+         mamf=MAMF["h100-80gb"]),  # the H100's chip (GH100); the table: "H200 is the same"
     _gpu("rtx4090", 24563, 82.6, 165.2, 1.008e12,
          "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GeForce RTX 4090): "
          "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s"),
     _gpu("mi300x", 196608, 163.4, 1307.4, 5.3e12,
          "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
-         " HBM3 192 GB at 5.3 TB/s", workspace=HIPBLAS_GFX94 + HIPBLASLT),
+         " HBM3 192 GB at 5.3 TB/s", workspace=HIPBLAS_GFX94 + HIPBLASLT, mamf=MAMF["mi300x"]),
     _gpu("v100-32gb", 32512, 15.7, 15.7, 0.9e12,
          "NVIDIA Tesla V100 data sheet (SXM2 32GB): FP32 15.7 TFLOPS, Tensor (FP16) 125 "
          "TFLOPS, HBM2 900 GB/s; its tensor cores take no BF16: bf16 is priced at FP32's rate",
@@ -173,7 +202,7 @@ PROFILES: dict[str, Target] = {t.name: t for t in (
     _gpu("mi250x-gcd", 65516, 95.7 / 2, 383.0 / 2, 1.6e12,
          "AMD Instinct MI250X data sheet, per GCD (half the board): FP32 matrix 95.7 TFLOPS, "
          "BF16 383.0 TFLOPS, HBM2e 128 GB at 3.2 TB/s for the board",
-         workspace=HIPBLAS_DEFAULT + HIPBLASLT),
+         workspace=HIPBLAS_DEFAULT + HIPBLASLT, mamf=MAMF["mi250x-gcd"]),
 )}
 # Which profile a device is, by a part of the name torch gives it (`get_device_name`), the
 # longer names first ("L40S" before "L40")
@@ -273,8 +302,14 @@ def interval(ops: list[LoggedOp], target: Target) -> tuple[float, float, float]:
 def backward_interval(ops: list[LoggedOp], out: torch.Tensor, target: Target
                       ) -> tuple[float, float, float]:
     """`interval` of a profiled block's backward, `ops`, less the ops of the unit loss that
-    made its output gradient (`core.steps.unit_loss` on a tensor like `out`): in a real step
-    that gradient comes from the next block."""
+    made its output gradient (`unit_loss_ops` of `out`): in a real step that gradient comes
+    from the next block."""
+    return _less(interval(ops, target), interval(unit_loss_ops(out), target))
+
+
+def unit_loss_ops(out: torch.Tensor) -> list[LoggedOp]:
+    """The ops of the backward of `core.steps.unit_loss` on a tensor like `out`, which a
+    block's profiled backward includes and a real step's does not."""
     from rematlab.core.steps import unit_loss
     from rematlab.preflight.roofline import OpLog
 
@@ -282,8 +317,38 @@ def backward_interval(ops: list[LoggedOp], out: torch.Tensor, target: Target
     loss, log = unit_loss(like), OpLog()
     with log:
         loss.backward()
-    return tuple(max(0.0, a - b) for a, b in zip(interval(ops, target),
-                                                 interval(log.ops, target), strict=True))
+    return log.ops
+
+
+def _less(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, float, float]:
+    lo, mid, hi = (max(0.0, x - y) for x, y in zip(a, b, strict=True))
+    return lo, mid, hi
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """The ops a fake block ran: its forward's, its backward's (None when it ran none) and
+    those of the unit loss that backward includes (`unit_loss_ops`). A block's times on any
+    target are priced from them (`block_times`), so one fake profile prices every card of
+    its kind (`rematlab.preflight.shared`)."""
+
+    fwd: list[LoggedOp]
+    bwd: list[LoggedOp] | None
+    loss: list[LoggedOp]
+
+
+def block_times(ops: BlockOps, target: Target) -> dict[str, object]:
+    """A profiled block's seconds on `target`, as `remat.block.BlockCost` names them: its
+    forward and backward (typical, and the (fastest, slowest) range) and what
+    checkpointing it costs of its own (`checkpoint_seconds`)."""
+    f_lo, fwd, f_hi = interval(ops.fwd, target)
+    b_lo, bwd, b_hi = (_less(interval(ops.bwd, target), interval(ops.loss, target))
+                       if ops.bwd is not None else (0.0, 0.0, 0.0))
+    c_lo, c_mid, c_hi = (checkpoint_seconds(ops.fwd, target, bound)
+                         for bound in ("fast", "typical", "slow"))
+    return {"fwd_time": fwd, "bwd_time": bwd, "fwd_range": (f_lo, f_hi),
+            "bwd_range": (b_lo, b_hi), "checkpoint_time": c_mid,
+            "checkpoint_range": (c_lo, c_hi)}
 
 
 def resolve_target(target: str | Target | dict | None, device_type: str = "cpu") -> Target:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from rematlab.plans.plan import Option
 from rematlab.preflight.fake import is_fake
 from rematlab.preflight.kernels import KernelScratch
 from rematlab.preflight.roofline import OpLog
-from rematlab.preflight.targets import Target, backward_interval, checkpoint_seconds, interval
+from rematlab.preflight.targets import BlockOps, Target, block_times, unit_loss_ops
 from rematlab.preflight.workspace import Scratch
 
 
@@ -59,6 +59,13 @@ class BlockCost:
     bwd_range: tuple[float, float] | None = None
     checkpoint_time: float | None = None
     checkpoint_range: tuple[float, float] | None = None
+    ops: BlockOps | None = None  # predicted: the ops its times are priced from (any card)
+
+    def priced(self, target: Target) -> BlockCost:
+        """This predicted block's costs with its times priced on `target` (its bytes are the
+        fake run's, the same on every card of the target's kind)."""
+        assert self.ops is not None, "only a predicted block keeps its ops"
+        return replace(self, **block_times(self.ops, target))
 
 
 # what compiling a block changes (`profile_block(compile=True)`): the rest is the eager's
@@ -82,15 +89,12 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
     tracked = _BlockRun(block, x_in, run, unit, others, compile, target).go()
     # the tracked run above was the warm-up (first kernels, compiled code already warmed)
     fwd_time, bwd_time = time_block(run, x_in, repeats) if repeats else (0.0, 0.0)
-    ranges = {}
+    predicted: dict = {}
     if target is not None:
-        f_lo, fwd_time, f_hi = interval(tracked.logs[0].ops, target)
-        b_lo, bwd_time, b_hi = (backward_interval(tracked.logs[1].ops, tracked.nxt, target)
-                                if tracked.bwd_ran else (0.0, 0.0, 0.0))
-        c_lo, c_mid, c_hi = (checkpoint_seconds(tracked.logs[0].ops, target, bound)
-                             for bound in ("fast", "typical", "slow"))
-        ranges = {"fwd_range": (f_lo, f_hi), "bwd_range": (b_lo, b_hi),
-                  "checkpoint_time": c_mid, "checkpoint_range": (c_lo, c_hi)}
+        ops = BlockOps(tracked.logs[0].ops, tracked.logs[1].ops if tracked.bwd_ran else None,
+                       unit_loss_ops(tracked.nxt) if tracked.bwd_ran else [])
+        predicted = {**block_times(ops, target), "ops": ops}
+        fwd_time, bwd_time = predicted.pop("fwd_time"), predicted.pop("bwd_time")
     kin, kout = tracked.kin, tracked.kout
     return BlockCost(
         x=rounded(x_in.element_size() * x_in.numel(), unit),
@@ -108,7 +112,7 @@ def profile_block(block: nn.Module, x_in: torch.Tensor, repeats: int, unit: int 
         cast=tracked.casts.nbytes if tracked.casts else 0,
         params=sum(rounded(p.numel() * p.element_size(), unit) for p in block.parameters()),
         out=tracked.nxt,
-        **ranges,
+        **predicted,
     )
 
 

@@ -306,8 +306,9 @@ def optimizer_memory(params: list[torch.Tensor], step: Step, unit: int = 1,
     shaped = bool(params) and (params[0].device.type == "meta" or is_fake(params[0]))
     if not shaped:
         return _optimizer_memory(params, step, unit, cuda)
+    alone = replace(step, layout=None)  # the whole model's phase: a rank's is `planning.ranks`
     key = (tuple((tuple(p.shape), p.dtype, p.requires_grad, p.device.type) for p in params),
-           json.dumps(step.to_dict(), sort_keys=True, default=repr), step.optimizer, unit,
+           json.dumps(alone.to_dict(), sort_keys=True, default=repr), step.optimizer, unit,
            cuda)
     if key not in _SHAPED_OPTIMIZERS:
         if len(_SHAPED_OPTIMIZERS) >= 64:

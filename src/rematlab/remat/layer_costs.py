@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,8 @@ from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.plans.fixed import none_plan
 from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
+from rematlab.preflight.shared import model_key, shared
+from rematlab.preflight.targets import Target
 from rematlab.remat.block import BlockCost, profile_block
 from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
 from rematlab.remat.compiled_menu import MenuBlock, block_menu
@@ -42,32 +44,79 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
     the plan's compiled step is verified whole). With `how.target`, the model (real or on
     the meta device) and the batch (real or meta tensors) are profiled as fake twins
     (`rematlab.preflight`): bytes as a real run's, times the roofline's on the target;
-    nothing is allocated or run."""
+    nothing is allocated or run. Inside `rematlab.preflight.shared.shared_runs()`, a fake
+    run already made for a target of the same kind is priced again, not run again."""
     how = how or Profiling()
     target = how.target
     if target is None:
-        return _profile_layers(model, batch, layers, how)
+        return _costs(model, batch, _profiled(model, batch, layers, how), how)
     session = FakeSession(cuda=target.kind == "cuda")
     names = {id(m): n for n, m in model.named_modules()}
     twin = session.model(model)
     with session.active():
-        return _profile_layers(twin, session.batch(batch),
-                               [twin.get_submodule(names[id(m)]) for m in layers],
-                               replace(how, repeats=0, compile=False))
+        fakes = session.batch(batch)
+        found = shared(_shared_key(model, batch, layers, how, names), lambda: _profiled(
+            twin, fakes, [twin.get_submodule(names[id(m)]) for m in layers],
+            replace(how, repeats=0, compile=False)))
+        return _costs(twin, fakes, found, how)
 
 
-def _profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
-                    ) -> ChainCosts:
-    unit, target, step = how.unit, how.target, how.step
-    with watched("the layers' forward and backward times") if target is None \
+def _shared_key(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling,
+                names: dict[int, str]) -> tuple | None:
+    """What a fake profile depends on (`rematlab.preflight.shared`): the model, batch and
+    step, the layers' names, and the target's kind, allocation unit and calibration; None
+    for op-level menus, whose options are priced as they are made."""
+    if how.ops or how.target is None:
+        return None
+    return ("profile", model_key(model, batch, how.step), tuple(names.get(id(m)) for m in layers),
+            how.target.kind, how.target.unit, how.target.calibrated)
+
+
+@dataclass(frozen=True)
+class _Profiled:
+    """What one profile ran: the layers' rows and the outer costs of the model, or of its
+    three-layer twin (`shorten`) with the four-layer twin's (`longer`) and the layers to
+    stretch them to, and the last layer's output bytes. A predicted one keeps its ops, so
+    it is priced for any card of its kind (`priced`)."""
+
+    rows: list[BlockCost]
+    outer: OuterCost
+    longer: OuterCost | None
+    stretch_to: int | None
+    out_bytes: int
+
+    def priced(self, target: Target | None) -> tuple[list[BlockCost], OuterCost]:
+        """The rows and outer costs, fresh copies (the chain's assembly adds to them), their
+        times priced on `target` when predicted."""
+        rows = [r.priced(target) if target is not None else replace(r) for r in self.rows]
+        outer, longer = ((o.priced(target) if target is not None else replace(o))
+                         if o is not None else None for o in (self.outer, self.longer))
+        if self.stretch_to is not None:
+            return stretched(rows, outer, longer, self.stretch_to)  # type: ignore[arg-type]
+        return rows, outer  # type: ignore[return-value]
+
+
+def _profiled(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
+              ) -> _Profiled:
+    with watched("the layers' forward and backward times") if how.target is None \
             else contextlib.nullcontext():
         # short twins where the layers are alike (`shorten`), the whole model otherwise
-        rows, outer = (_shortened_run(model, batch, layers, how)
-                       or _run(model, batch, layers, how))
+        found = _shortened_run(model, batch, layers, how)
+        if found is None:
+            rows, outer = _run(model, batch, layers, how)
+            found = _Profiled(rows, outer, None, None, 0)
+    return replace(found, out_bytes=rounded(found.rows[-1].out.untyped_storage().nbytes(),
+                                            how.unit))
+
+
+def _costs(model: nn.Module, batch: Batch, profiled: _Profiled, how: Profiling
+           ) -> ChainCosts:
+    """The chain's costs from what the profile ran, priced on `how.target`."""
+    unit, target, step = how.unit, how.target, how.step
+    rows, outer = profiled.priced(target)
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer.step_time - sum(r.fwd_time + r.bwd_time for r in rows))
-    x = [0, *(r.x for r in rows), rounded(rows[-1].out.untyped_storage().nbytes(), unit),
-         0]
+    x = [0, *(r.x for r in rows), profiled.out_bytes, 0]
     state, transient = optimizer_memory(list(model.parameters()), step, unit,
                                         cuda_target(target))
     params = sum(rounded(t.numel() * t.element_size(), unit)
@@ -189,7 +238,7 @@ def _options_in_step(model: nn.Module, batch: Batch, layers: list[nn.Module],
 
 
 def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling
-                   ) -> tuple[list[BlockCost], OuterCost] | None:
+                   ) -> _Profiled | None:
     """`_run` through the three-layer twin (`rematlab.remat.shorten`), and pre-flight the
     four-layer twin's step time; None where they do not apply, or where the model's loop
     does not run a shortened layer list (one that indexes its layers by the config's count):
@@ -211,7 +260,7 @@ def _shortened_run(model: nn.Module, batch: Batch, layers: list[nn.Module], how:
         _log.debug("profiled whole: the shortened twin failed (%s: %s)", type(exc).__name__,
                    exc)
         return None
-    return stretched(rows, outer, longer, len(layers))
+    return _Profiled(rows, outer, longer, len(layers), 0)
 
 
 def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -23,7 +23,7 @@ from rematlab.core.steps import preserved
 from rematlab.core.timer import profile_timer, timed
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
-from rematlab.preflight.roofline import OpLog
+from rematlab.preflight.roofline import LoggedOp, OpLog
 from rematlab.preflight.targets import Target, interval
 from rematlab.remat.layers import LayerRemat, attach
 
@@ -180,6 +180,13 @@ class OuterCost:
     after_grad: int
     step_time: float = 0.0
     step_range: tuple[float, float] | None = None
+    ops: list[LoggedOp] | None = None  # predicted: the step's ops its time is priced from
+
+    def priced(self, target: Target) -> OuterCost:
+        """These predicted costs with the step's time priced on `target`."""
+        assert self.ops is not None, "only a predicted step keeps its ops"
+        fast, typical, slow = interval(self.ops, target)
+        return replace(self, step_time=typical, step_range=(fast, slow))
 
 
 def _outer_figures(probe: _Probe, ends: _Ends, params: list[torch.Tensor],
@@ -231,8 +238,8 @@ def outer_costs(model: nn.Module, batch: Batch, layers: list[nn.Module], step: S
     cost = _outer_figures(probe, ends, params, layers)
     cost.step_time = seconds
     if log is not None:
-        fast, cost.step_time, slow = interval(log.ops, target)
-        cost.step_range = (fast, slow)
+        cost.ops = log.ops
+        return cost.priced(target)  # type: ignore[arg-type]
     return cost
 
 
