@@ -16,8 +16,9 @@ from rematlab.planning.predicted import predicted_costs
 from rematlab.plans.plan import ChainCosts, Plan, Segment
 from rematlab.plans.simulate import simulate
 from rematlab.preflight import kernels
+from rematlab.preflight.pricing import checkpoint_seconds
 from rematlab.preflight.roofline import LoggedOp
-from rematlab.preflight.targets import PROFILES, MiB, checkpoint_seconds, resolve_target
+from rematlab.preflight.targets import PROFILES, MiB, resolve_target
 from rematlab.remat.structure import structure
 
 B, S, D = 2, 200, 64  # a sequence that is not a multiple of flash's 128-row blocks

@@ -19,7 +19,8 @@ from rematlab.planning.maxbatch import max_batch
 from rematlab.planning.planner import prepare
 from rematlab.planning.predicted import room, with_margin
 from rematlab.preflight import allocator
-from rematlab.preflight.targets import PROFILES, Target, interval, resolve_target
+from rematlab.preflight.pricing import interval
+from rematlab.preflight.targets import PROFILES, Target, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
 from rematlab.remat.profiling import Profiling

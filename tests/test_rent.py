@@ -73,6 +73,7 @@ def test_a_card_priced_from_another_cards_fake_runs_is_priced_as_alone(result):
     chosen = planning.choose("auto")
     assert four.plan == chosen.describe()
     assert four.step_s == simulate(chosen, planning.costs)[1]
+    assert four.recomputed == chosen.recomputed and 0 < four.recomputed <= four.blocks == 4
     held = planning.band(chosen)
     assert (four.peak, four.upper) == (held.point, held.upper)
 

@@ -93,7 +93,7 @@ class Rental:
     fits_plain: bool = False
     plan: str | None = None
     remat: bool = False
-    recomputed: int = 0  # blocks of `blocks` that the plan recomputes (`Plan.recomputed`)
+    recomputed: int = 0  # of the `blocks` (a model's layers) the plan recomputes
     blocks: int | None = None
     peak: int | None = None
     upper: int | None = None
@@ -347,7 +347,7 @@ def _priced(job: _Job, step: Step, name: str, card: str | Target, count: int,
     return Rental(name, count, kind, fits=True, fits_plain=plain.upper <= limit,
                   plan=chosen.describe(),
                   remat=chosen.recomputed > 0, recomputed=chosen.recomputed,
-                  blocks=chosen.n_blocks,
+                  blocks=len(planning.structure.blocks),
                   peak=held.point, upper=held.upper, budget=limit, step_s=seconds,
                   overhead=overhead(seconds, plain_s), per_s=per_s, largest_batch=big,
                   largest_per_s=big_per_s, hours=hours, cost=cost, **cost_of)

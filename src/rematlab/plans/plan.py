@@ -113,7 +113,7 @@ class ChainCosts:
     # predicted costs (`rematlab.preflight`): each block's (fastest, slowest) seconds, and
     # the seconds a checkpointed segment starting at each block costs beyond recomputing its
     # forward (checkpoint's host work: hooks, the RNG state; on a GPU what of it the
-    # recomputation's kernels do not hide, `preflight.targets.checkpoint_seconds`), with its
+    # recomputation's kernels do not hide, `preflight.pricing.checkpoint_seconds`), with its
     # range; none when measured (a measured segment's time is its own)
     fwd_range: list[tuple[float, float]] = field(default_factory=list)
     bwd_range: list[tuple[float, float]] = field(default_factory=list)
@@ -220,7 +220,7 @@ class Plan:
     def recomputed(self) -> int:
         """How many blocks recompute activations: those of top-level segments, and those
         with an op-level option."""
-        return sum(it.end - it.start + 1 if isinstance(it, Segment) else 1
+        return sum(it.end - it.start if isinstance(it, Segment) else 1
                    for it in self.items if not isinstance(it, int))
 
     def describe(self) -> str:

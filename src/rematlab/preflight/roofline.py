@@ -1,7 +1,7 @@
 """Step time without running: every aten op a block runs (forward, backward, recompute) is
 logged by the op recorder (`rematlab.core.dispatch`) with its FLOPs and the bytes it reads
 and writes; a target prices the log as a roofline, `max(FLOPs / compute rate, bytes /
-bandwidth) + per-op overhead` (`rematlab.preflight.targets.interval`).
+bandwidth) + per-op overhead` (`rematlab.preflight.pricing.interval`).
 
 Fake tensors (`rematlab.preflight.fake`) run the same dispatch as real ones, so the log holds
 the ops a real step runs — the kernels chosen for this device's attention, the backward

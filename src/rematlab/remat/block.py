@@ -27,8 +27,9 @@ from rematlab.core.timer import time_block
 from rematlab.plans.plan import Option
 from rematlab.preflight.fake import is_fake
 from rematlab.preflight.kernels import KernelScratch
+from rematlab.preflight.pricing import BlockOps, block_times, unit_loss_ops
 from rematlab.preflight.roofline import OpLog
-from rematlab.preflight.targets import BlockOps, Target, block_times, unit_loss_ops
+from rematlab.preflight.targets import Target
 from rematlab.preflight.workspace import Scratch
 
 

@@ -41,8 +41,9 @@ from rematlab.core.timer import time_block
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import TORCHTITAN_OP
 from rematlab.plans.plan import Option, Selective
+from rematlab.preflight.pricing import backward_interval, interval, selective_seconds
 from rematlab.preflight.roofline import OpLog, logged
-from rematlab.preflight.targets import Target, backward_interval, interval, selective_seconds
+from rematlab.preflight.targets import Target
 from rematlab.remat.activations import activations, run_modules, short_module, submodule_seconds
 from rematlab.remat.block import BlockCost
 from rematlab.remat.policy import SavePolicy, compiled_context_fn, fingerprint, metadata

@@ -23,8 +23,9 @@ from rematlab.core.steps import preserved
 from rematlab.core.timer import profile_timer, timed
 from rematlab.exceptions import ConfigError
 from rematlab.plans.fixed import none_plan
+from rematlab.preflight.pricing import interval
 from rematlab.preflight.roofline import LoggedOp, OpLog
-from rematlab.preflight.targets import Target, interval
+from rematlab.preflight.targets import Target
 from rematlab.remat.layers import LayerRemat, attach
 
 
