@@ -142,6 +142,9 @@ def plan_cmd(
     ops: Annotated[bool, typer.Option(
         "--ops", help="also offer op-level options per block: save some ops' outputs "
         "(matmuls, ...), recompute the rest")] = False,
+    offload: Annotated[bool, typer.Option(
+        "--offload", help="also offer each layer's saved activations in host memory, priced "
+        "on the card's host link (a GPU, or --predict with a GPU --target)")] = False,
     fsdp: Fsdp = None,
     ddp: Ddp = None,
     out: Annotated[Path | None, typer.Option(help="write the plan as JSON here")] = None,
@@ -158,7 +161,7 @@ def plan_cmd(
     from rematlab.planning.planner import prepare
 
     options = PlanOptions(blocks=blocks or None, predict=predict, target=target,
-                          compile=compile, ops=ops)
+                          compile=compile, ops=ops, offload=offload)
     wanted = _budget_list(budget, budgets)
     if out is not None and len(wanted) > 1:
         raise ConfigError("--out writes one plan: give one --budget")
@@ -218,6 +221,7 @@ def _plan_summary(planning: Any, budget: str) -> dict:
     """One budget's plan and the fixed strategies beside it, as `rematlab plan` reports it."""
     from dataclasses import asdict
 
+    from rematlab.plans.offload import host_bytes
     from rematlab.plans.simulate import overhead
 
     derived = planning.budget(budget)
@@ -228,6 +232,7 @@ def _plan_summary(planning: Any, budget: str) -> dict:
             "step": planning.step.describe(), "predicted_peak": chosen.predicted_peak,
             "measured_peak": chosen.measured_peak, "min_peak": chosen.min_peak,
             "reserved_peak": chosen.reserved_peak,
+            "host_bytes": host_bytes(chosen.items, planning.costs),
             "predicted_overhead": overhead(chosen.predicted_time or 0.0, rows[0].time),
             "overhead_interval": (list(planning.overhead_interval(chosen))
                                   if planning.target is not None else None),
@@ -241,6 +246,9 @@ def _print_plan(summary: dict, budget: str | None) -> None:
     if budget is not None and is_auto(budget):
         console.print(f"budget {format_bytes(limit)}: {summary['budget_source']}")
     console.print(f"plan: {summary['plan']}  (for the step: {summary['step']})")
+    if summary.get("host_bytes"):
+        console.print(f"offloaded to host memory (pinned) at once: "
+                      f"{format_bytes(summary['host_bytes'])}")
     console.print(f"predicted peak {format_bytes(summary['predicted_peak'] or 0)}"
                   + (f", measured {format_bytes(summary['measured_peak'])}"
                      if summary["measured_peak"] else "")

@@ -66,6 +66,9 @@ class LiveTensorTracker(Recorded):
     `unit`: count every storage rounded up to this block size (512 on CUDA, whose caching
     allocator hands out 512-byte multiples), for predictions made on the meta device.
     `listener`: an `AllocationListener`, told of each storage's allocation and free.
+    Storages allocated inside `host_allocations()` (offload's host buffers, `remat.offload`) are
+    counted apart, in `host_live` and `host_peak`, never in `live`: on a CPU, or a fake
+    twin of a GPU run, both are one kind of tensor, and only the offloader knows which.
     """
 
     method = "dispatch_live_storages"
@@ -75,8 +78,12 @@ class LiveTensorTracker(Recorded):
         self.unit = unit  # allocation granularity: 512 B models the CUDA caching allocator
         self.live = 0
         self.peak = 0
+        self.host_live = 0
+        self.host_peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._host: set[int] = set()
+        self._hosting = False
         self.listener: AllocationListener | None = None
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -86,6 +93,16 @@ class LiveTensorTracker(Recorded):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.host_peak = self.host_live
+
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Count the storages allocated inside as host memory (offload's host buffers)."""
+        self._hosting = True
+        try:
+            yield
+        finally:
+            self._hosting = False
 
     def _register(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.is_sparse:
@@ -100,14 +117,24 @@ class LiveTensorTracker(Recorded):
             self._free(key)  # resized in place: freed, then allocated at its new size
         self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        if self._hosting:
+            self._host.add(key)
+            self.host_live += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
+            return
         self.live += nbytes
         if self.listener is not None:
             self.listener.alloc(key, storage.nbytes())
         self._bump()
 
     def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        nbytes = self._sizes.pop(key, 0)
         self._refs.pop(key, None)
+        if key in self._host:
+            self._host.discard(key)
+            self.host_live -= nbytes
+            return
+        self.live -= nbytes
         if self.listener is not None:
             self.listener.free(key)
 

@@ -24,7 +24,7 @@ from rematlab.core.recipe import Step, as_step
 from rematlab.exceptions import ConfigError
 from rematlab.measurement.spec import MAX_REPEATS
 from rematlab.preflight.targets import Target
-from rematlab.remat.profiling import COMPILED_NOT_PREDICTED
+from rematlab.remat.profiling import COMPILED_NOT_OFFLOADED, COMPILED_NOT_PREDICTED
 
 FRACTIONS = (0.0, 0.5, 1.0)  # each costs a compile and a timing run: a few, 0 and 1 among them
 STEP_KEYWORDS = ("optimizer", "loss_fn")  # shorthand for step=Step(optimizer=..., loss_fn=...)
@@ -39,8 +39,10 @@ class PlanOptions:
     running, from fake tensors and `target`'s roofline (a name such as "h100-80gb", "cpu",
     a profile); `verify`: measure the chosen plan's step and tighten on a miss; `compile`:
     plan for `torch.compile(apply(model, plan))`, with torch.compile's own budget at each of
-    `fractions` as candidates; `ops`: offer op-level options per block; `repeats`: timed
-    runs per profiled block (None: 1 on a CPU, 3 on a GPU)."""
+    `fractions` as candidates; `ops`: offer op-level options per block; `offload`: offer
+    each layer's saved activations in host memory as a third choice beside keeping and
+    recomputing (`rematlab.plans.offload`; on a GPU, or a GPU target); `repeats`: timed runs
+    per profiled block (None: 1 on a CPU, 3 on a GPU)."""
 
     device: str | torch.device | None = None
     blocks: list[nn.Module] | str | list[str] | None = None
@@ -49,16 +51,19 @@ class PlanOptions:
     verify: bool = True
     compile: bool = False
     ops: bool = False
+    offload: bool = False
     fractions: tuple[float, ...] = FRACTIONS
     repeats: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("predict", "verify", "compile", "ops"):
+        for name in ("predict", "verify", "compile", "ops", "offload"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
         if self.compile and self.predict:
             raise ConfigError(COMPILED_NOT_PREDICTED)
+        if self.offload and self.compile:
+            raise ConfigError(COMPILED_NOT_OFFLOADED)
         if self.target is not None and not self.predict:
             raise ConfigError("a target is planned for without running: it needs "
                               "predict=True (--predict); without it, plans are measured on "

@@ -304,7 +304,7 @@ def _predicted(model: nn.Module, profiled: nn.Module, batch: object, st: Structu
     """`prepare` from fake-tensor costs: a predicted plan, or one rank of a model too large
     for one device, each candidate then run on the ranks."""
     costs, tgt = pred.predicted_costs(profiled, batch, st, opts.device, step, opts.target,
-                                      opts.ops)
+                                      opts.ops, opts.offload)
     layers = st.kind == "layers"
     if step.layout is None:
         return Planning(model, st, batch, costs, solve(costs, layers=layers), verify=False,
@@ -330,7 +330,10 @@ def _measured(model: nn.Module, profiled: nn.Module, example_inputs: object, st:
         raise ConfigError("a model or batch on the meta device has no data: plan it with "
                           "predict=True (and a target)")
     batch = to_device(example_inputs, dev)
-    how = Profiling(step, repeats=opts.repeats_on(dev), compile=opts.compile, ops=opts.ops)
+    how = Profiling(step, repeats=opts.repeats_on(dev), compile=opts.compile, ops=opts.ops,
+                    offload=opts.offload)
+    if opts.offload:
+        pred.offloadable(st, step, dev, None)
     if st.kind == "layers":  # its first forward (`capture`) checks the batch
         with compiling(), out_of_memory("the profile (every activation kept, one layer "
                                         "at a time)"):

@@ -16,12 +16,14 @@ from torch import nn
 from rematlab.core.batch import tensors
 from rematlab.core.recipe import Step
 from rematlab.core.units import format_bytes
+from rematlab.exceptions import ConfigError
 from rematlab.planning.budget import MARGIN_FRACTION, MARGIN_MIN, DeviceBudget, is_auto
 from rematlab.plans.plan import ChainCosts
 from rematlab.preflight.band import band
 from rematlab.preflight.targets import Target, resolve_target
 from rematlab.remat.chain import profile_chain
 from rematlab.remat.layer_costs import profile_layers
+from rematlab.remat.offload_costs import why_not
 from rematlab.remat.profiling import Profiling
 from rematlab.remat.structure import Structure
 
@@ -52,20 +54,40 @@ def room(budget: int) -> int:
 
 
 def predicted_costs(model: nn.Module, batch: object, st: Structure, device: object,
-                    step: Step, target: str | Target | dict | None, ops: bool = False
-                    ) -> tuple[ChainCosts, Target]:
+                    step: Step, target: str | Target | dict | None, ops: bool = False,
+                    offload: bool = False) -> tuple[ChainCosts, Target]:
     """The costs of `model`'s `step` on `batch` as `target` would run it (with `ops`, each
-    block's menu of op-level options too), and the target (None: the device the batch is
-    on, calibrated). On a CUDA target the BLAS workspaces are resident
-    (`Target.blas_resident`)."""
+    block's menu of op-level options too; with `offload`, each layer's offload option), and
+    the target (None: the device the batch is on, calibrated). On a CUDA target the BLAS
+    workspaces are resident (`Target.blas_resident`)."""
     kind = (torch.device(device).type if device is not None
             else next(tensors(batch)).device.type)
     tgt = resolve_target(target, kind)
+    how = Profiling(step, ops=ops, offload=offload, target=tgt)
+    if offload:
+        offloadable(st, step, torch.device(kind), tgt)
     if st.kind == "layers":
-        costs = profile_layers(model, batch, st.blocks, Profiling(step, ops=ops, target=tgt))
+        costs = profile_layers(model, batch, st.blocks, how)
     else:
-        costs = profile_chain(st.blocks, batch, Profiling(step, ops=ops, target=tgt))
+        costs = profile_chain(st.blocks, batch, how)
     return with_resident(costs, tgt.blas_resident), tgt
+
+
+def offloadable(st: Structure, step: Step, device: torch.device, target: Target | None
+                ) -> None:
+    """Refuse offload where it cannot be planned, saying why: where host and device memory
+    are one (a CPU), for a chain of blocks (offload is planned per layer of a model that runs
+    its own layer loop), or under a parallel layout (not yet priced per rank)."""
+    why = why_not(device, target)
+    if why is None and st.kind != "layers":
+        why = ("offload is planned per layer of a model that runs its own layer loop (a "
+               "transformers model, or blocks=...); this model was found as a chain of "
+               "blocks")
+    if why is None and step.layout is not None:
+        why = ("offload under a parallel layout (FSDP2/DDP) is not priced per rank yet: plan "
+               "one card, or plan the rank without offload")
+    if why is not None:
+        raise ConfigError(why)
 
 
 def with_resident(costs: ChainCosts, nbytes: int) -> ChainCosts:

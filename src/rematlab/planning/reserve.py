@@ -28,6 +28,7 @@ from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.kernels import KernelScratch
 from rematlab.preflight.shared import model_key, shared
 from rematlab.preflight.targets import Target
+from rematlab.remat.layers import remat_of
 from rematlab.remat.strategies import RematChain, apply
 from rematlab.remat.structure import Structure
 from rematlab.remat.tracing import meta_copy
@@ -44,6 +45,7 @@ class CardMemory:
     reserved: int
     capacity: int
     fits: bool
+    host: int = 0  # host bytes an offloading plan pins (its pool), never the card's
     method: str = "fake step replayed through the CUDA caching allocator's rules"
 
 
@@ -71,6 +73,7 @@ class _Trace:
     events: list[tuple[object, int | None]]
     blas_at: int
     second_at: int
+    host: int = 0
 
     def alloc(self, key: object, nbytes: int) -> None:
         self.events.append((key, nbytes))
@@ -96,7 +99,7 @@ class _Trace:
         allocator.peak_allocated = allocator.allocated
         play(self.events[self.second_at:])
         return CardMemory(allocator.peak_allocated, allocator.peak_reserved, target.usable,
-                          allocator.fits)
+                          allocator.fits, self.host)
 
 
 def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Plan
@@ -112,6 +115,9 @@ def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Pl
     trace = _Trace([], 0, 0)
     tracker = LiveTensorTracker()
     tracker.listener = trace
+    offloader = getattr(remat_of(planned), "offloader", None) if st.kind == "layers" else None
+    if offloader is not None:  # its host buffers are not the card's
+        offloader.metered_by(tracker)
     with session.active():
         planned.to_empty(device="cpu")
         fake = session.batch(batch)
@@ -123,4 +129,4 @@ def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Pl
             second_at = len(trace.events)
             step.train_step(planned, fake, optimizer=optimizer, readable=False)
     tracker.listener = None  # the frees of the run's tensors after the step are not its
-    return _Trace(trace.events, blas_at, second_at)
+    return _Trace(trace.events, blas_at, second_at, tracker.host_peak)

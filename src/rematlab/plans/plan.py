@@ -45,7 +45,10 @@ class Option:
     function) are checkpointed, each keeping its input and running again in backward. Its
     memory and times are measured like a plain block's (`ChainCosts`); `sequence` is a hash
     of the block's op sequence, so a plan made for other code is refused
-    (`rematlab.remat.ops`)."""
+    (`rematlab.remat.ops`). An option named "offload" (`rematlab.plans.offload`) runs the
+    block kept with `host` of its saved bytes in host memory until its backward; its times
+    count the reload unhidden, and `prefetched` is what a next offloaded block's prefetch
+    hides of it."""
 
     name: str
     saves: tuple[tuple[str, int], ...]
@@ -58,6 +61,8 @@ class Option:
     bwd_time: float
     sequence: str = ""
     modules: tuple[str, ...] = ()
+    host: int = 0
+    prefetched: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,29 @@ class Selective:
     @classmethod
     def of(cls, block: int, opt: Option) -> Selective:
         return cls(block, opt.name, opt.saves, opt.sequence, opt.modules)
+
+
+OFFLOAD = "offload"  # the options that offload instead of recomputing (`plans.offload`)
+OFFLOAD_INPUT = "offload input"  # checkpointed, its input offloaded (transformers' offload)
+
+
+def offloads(option: str) -> bool:
+    """Whether an option of this name offloads: "offload" (every saved tensor worth moving),
+    "offload N" (up to N bytes, `offload_cap`) or "offload input" (checkpointed, its input
+    moved)."""
+    return option == OFFLOAD or option.startswith(OFFLOAD + " ")  # "offload input" too
+
+
+def offload_cap(option: str) -> int | None:
+    """The bytes an offload option moves at most (None: all), refused unless the name is
+    one `offloads` reads as written by the planner."""
+    if option in (OFFLOAD, OFFLOAD_INPUT):
+        return None
+    text = option.removeprefix(OFFLOAD + " ")
+    if not text.isdigit():
+        raise ConfigError(f"option {option!r} is not an offload option: 'offload' or "
+                          "'offload <bytes>'")
+    return int(text)
 
 
 Item = Union[int, Selective, Segment]  # noqa: UP007 - recursive alias needs the runtime form
@@ -219,9 +247,19 @@ class Plan:
     @property
     def recomputed(self) -> int:
         """How many blocks recompute activations: those of top-level segments, and those
-        with an op-level option."""
+        with an op-level option (an offloaded block recomputes nothing, unless its input
+        alone is offloaded)."""
         return sum(it.end - it.start if isinstance(it, Segment) else 1
-                   for it in self.items if not isinstance(it, int))
+                   for it in self.items
+                   if not isinstance(it, int) and not (isinstance(it, Selective)
+                                                       and offloads(it.option)
+                                                       and it.option != OFFLOAD_INPUT))
+
+    @property
+    def offloaded(self) -> list[int]:
+        """The blocks whose saved activations wait in host memory (`plans.offload`)."""
+        return [it.block for it in self.items
+                if isinstance(it, Selective) and offloads(it.option)]
 
     def describe(self) -> str:
         """Compact text form: `[0-3]{0,1,[2-3]} 4 5` (brackets are checkpointed segments),

@@ -9,6 +9,7 @@ during backward (the design note in `rematlab.plans.plan`).
 from __future__ import annotations
 
 from rematlab.exceptions import ConfigError
+from rematlab.plans.offload import prefetched
 from rematlab.plans.plan import ChainCosts, Item, Option, Plan, Selective
 
 
@@ -96,7 +97,8 @@ def simulate(plan: Plan, costs: ChainCosts) -> tuple[int, float]:
 def items_cost(items: tuple[Item, ...], costs: ChainCosts) -> tuple[int, float]:
     """`simulate` for a plan's top-level items (what the solver's frontier reads)."""
     mem, time = need(items, costs.n, True, costs)
-    return step_peak(costs, max(mem, cached_forward(items, costs))), time
+    return (step_peak(costs, max(mem, cached_forward(items, costs))),
+            time - prefetched(items, costs))
 
 
 def cached_forward(items: tuple[Item, ...], c: ChainCosts) -> int:

@@ -31,6 +31,7 @@ import torch
 from rematlab.core.files import cache_dir, write_text
 from rematlab.core.units import parse_bytes
 from rematlab.exceptions import ConfigError
+from rematlab.plans.offload import Link
 from rematlab.preflight.allocator import MIN_BLOCK
 from rematlab.preflight.calibrate import VERSION, measure
 from rematlab.preflight.cards import (
@@ -55,6 +56,16 @@ KiB = 1 << 10
 # 2-core CPU (a one-layer region, less its plain step and its forward); a faster host runs
 # it in less, so 0.05-0.4 ms. On a GPU it overlaps with the kernels queued before it.
 HOST_CHECKPOINT = (50e-6, 200e-6, 400e-6)
+# Host links offload copies over, (device-to-host, host-to-device) bytes/s of pinned copies
+# by the copy engine, the low end of what is measured, as issue 61 gathered: PCIe Gen5 x16
+# (H100, H200, MI300X) 35-53 GB/s, Gen4 x16 (A100, L40S, RTX 4090, MI250X) about 25 GB/s,
+# Gen3 (V100) about 12 GB/s. A Grace Hopper card's NVLink-C2C is far faster, and not alike
+# both ways: nvbandwidth on GH200, CE GPU->CPU 169.9-170.1 GB/s, CPU->GPU 411.6-421.1 GB/s
+# (NVIDIA/Megatron-LM issue 6491, 2026-08-15): `GH200_LINK`, for a profile of one.
+HOST_LINKS = {"h100-80gb": (35e9, 35e9), "h200": (35e9, 35e9), "mi300x": (35e9, 35e9),
+              "v100-32gb": (12e9, 12e9)}
+GH200_LINK = (170e9, 411e9)
+HOST_MEMORY = 128 * 1024 * MiB  # pinned host bytes a job may hold per card: a default
 # What selective checkpointing's dispatch modes add per op and per pass (the forward's caching
 # mode, the recomputation's replay), low/typical/high seconds: `benchmarks/
 # selective_overhead.py` measured 24-28 µs per op for both passes on this 2-core CPU (12-14 per
@@ -92,6 +103,10 @@ class Target:
     source: str = ""
     calibrated: bool = False
     extra: dict = field(default_factory=dict)
+    # the host link offload copies over (`rematlab.plans.offload`): bytes/s device-to-host
+    # and host-to-device (`HOST_LINKS`), and the host bytes a job may pin per card
+    host_link: tuple[float, float] = (25e9, 25e9)
+    host_memory: int = HOST_MEMORY
 
     @property
     def unit(self) -> int:
@@ -112,6 +127,10 @@ class Target:
         """Bytes the allocator can hand out: the card less the CUDA context."""
         return self.memory - self.context
 
+    @property
+    def link(self) -> Link:
+        return Link(*self.host_link, self.host_memory)
+
     def matmul_rate(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"])
 
@@ -120,20 +139,22 @@ class Target:
 
 
 def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
-         source: str, workspace: int = CUBLAS_DEFAULT + CUBLASLT, fp16: float | None = None,
-         mamf: float | None = None) -> Target:
+         source: str, workspace: int = CUBLAS_DEFAULT + CUBLASLT, fp16: float | None = None
+         ) -> Target:
     """A data-sheet profile. `workspace`: the BLAS workspaces torch allocates per handle and
     stream (`BLAS_WORKSPACES`). `overhead`: an assumption, 3-10 µs per op of eager dispatch
     and kernel launch (5 typical), until a GPU here calibrates it; `checkpoint_host` the
-    assumed `HOST_CHECKPOINT`. `mamf`: the card's measured best bf16 matmul as a fraction of
-    its peak (`MAMF`), which scales its matmul efficiencies (`mamf_efficiency`)."""
+    assumed `HOST_CHECKPOINT`. A card with a measured best bf16 matmul (`MAMF`) has its matmul
+    efficiencies scaled by it (`mamf_efficiency`)."""
     tera = 1e12
+    mamf = MAMF.get(name)
+    link = HOST_LINKS.get(name, (25e9, 25e9))
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
         flops={"float32": fp32 * tera, "bfloat16": bf16 * tera,
                "float16": (fp16 if fp16 is not None else bf16) * tera},
         bandwidth=bandwidth, overhead=(3e-6, 5e-6, 10e-6), checkpoint_host=HOST_CHECKPOINT,
-        context=CUDA_CONTEXT, workspace=workspace,
+        context=CUDA_CONTEXT, workspace=workspace, host_link=link,
         efficiency=mamf_efficiency(mamf) if mamf is not None else Target.efficiency,
         source=source + (f"; best bf16 matmul {mamf:.1%} of peak ({MAMF_SOURCE})"
                          if mamf is not None else ""))
@@ -149,8 +170,10 @@ def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
 # MAMF. A card with no MAMF row keeps the default efficiencies.
 MAMF_SOURCE = ("stas00/ml-engineering compute/accelerator/README.md at b9e2972, 'Maximum "
                "Achievable Matmul FLOPS comparison table', BF16")
-MAMF = {"a100-80gb": 0.869, "h100-80gb": 0.803, "mi300x": 0.514,
-        "mi250x-gcd": 0.767}  # MI250X: the table's v1 rows (ROCm 6.2, one GCD)
+# The H200 is the H100's chip (GH100) with more memory: the table's later versions say "H200
+# is the same". The MI250X GCD: the table's v1 rows (ROCm 6.2, one GCD).
+MAMF = {"a100-80gb": 0.869, "h100-80gb": 0.803, "h200": 0.803, "mi300x": 0.514,
+        "mi250x-gcd": 0.767}
 
 
 def mamf_efficiency(mamf: float) -> tuple[float, float, float]:
@@ -172,21 +195,19 @@ def mamf_efficiency(mamf: float) -> tuple[float, float, float]:
 PROFILES: dict[str, Target] = {t.name: t for t in (
     _gpu("a100-80gb", 81039, 19.5, 312, 2.039e12,
          "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 "
-         "TFLOPS, HBM2e 2,039 GB/s", mamf=MAMF["a100-80gb"]),
+         "TFLOPS, HBM2e 2,039 GB/s"),
     _gpu("h100-80gb", 81090, 67, 989.4, 3.35e12,
          "NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOPS, BF16 989 TFLOPS "
-         "(1,979 with sparsity), HBM3 3.35 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT,
-         mamf=MAMF["h100-80gb"]),
+         "(1,979 with sparsity), HBM3 3.35 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
     _gpu("h200", 143156, 67, 989.4, 4.8e12,
          "NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOPS, BF16 989 TFLOPS, "
-         "HBM3e 141 GB at 4.8 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT,
-         mamf=MAMF["h100-80gb"]),  # the H100's chip (GH100); the table: "H200 is the same"
+         "HBM3e 141 GB at 4.8 TB/s", workspace=CUBLAS_HOPPER + CUBLASLT),
     _gpu("rtx4090", 24563, 82.6, 165.2, 1.008e12,
          "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GeForce RTX 4090): "
          "FP32 82.6 TFLOPS, BF16 tensor with FP32 accumulate 165.2 TFLOPS, GDDR6X 1,008 GB/s"),
     _gpu("mi300x", 196608, 163.4, 1307.4, 5.3e12,
          "AMD Instinct MI300X accelerator data sheet: FP32 163.4 TFLOPS, BF16 1,307.4 TFLOPS,"
-         " HBM3 192 GB at 5.3 TB/s", workspace=HIPBLAS_GFX94 + HIPBLASLT, mamf=MAMF["mi300x"]),
+         " HBM3 192 GB at 5.3 TB/s", workspace=HIPBLAS_GFX94 + HIPBLASLT),
     _gpu("v100-32gb", 32512, 15.7, 15.7, 0.9e12,
          "NVIDIA Tesla V100 data sheet (SXM2 32GB): FP32 15.7 TFLOPS, Tensor (FP16) 125 "
          "TFLOPS, HBM2 900 GB/s; its tensor cores take no BF16: bf16 is priced at FP32's rate",
@@ -201,7 +222,7 @@ PROFILES: dict[str, Target] = {t.name: t for t in (
     _gpu("mi250x-gcd", 65516, 95.7 / 2, 383.0 / 2, 1.6e12,
          "AMD Instinct MI250X data sheet, per GCD (half the board): FP32 matrix 95.7 TFLOPS, "
          "BF16 383.0 TFLOPS, HBM2e 128 GB at 3.2 TB/s for the board",
-         workspace=HIPBLAS_DEFAULT + HIPBLASLT, mamf=MAMF["mi250x-gcd"]),
+         workspace=HIPBLAS_DEFAULT + HIPBLASLT),
 )}
 # Which profile a device is, by a part of the name torch gives it (`get_device_name`), the
 # longer names first ("L40S" before "L40")
@@ -291,6 +312,7 @@ def _from_fields(fields: dict, where: str) -> Target:
                                                      base.bandwidth_efficiency)),
             "checkpoint_host": tuple(fields.get("checkpoint_host", base.checkpoint_host)),
             "selective_host": tuple(fields.get("selective_host", base.selective_host)),
+            "host_link": tuple(float(v) for v in fields.get("host_link", base.host_link)),
         })
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: bad target profile: {exc}") from None
@@ -306,7 +328,7 @@ def calibrated(kind: str = "cpu") -> Target:
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         fields = json.loads(path.read_text())
         if fields.pop("version") == VERSION:  # a file this rematlab's calibration wrote
-            return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES}})
+            return Target(**{**fields, **{k: tuple(fields[k]) for k in _TUPLES if k in fields}})
     fields = measure(kind)
     if kind == "cuda":  # the terms a data-sheet profile has, for this card
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -322,7 +344,7 @@ def calibrated(kind: str = "cpu") -> Target:
 
 
 _TUPLES = ("overhead", "efficiency", "bandwidth_efficiency", "checkpoint_host",
-           "selective_host")
+           "selective_host", "host_link")
 
 
 def _machine(kind: str) -> str:

@@ -55,6 +55,7 @@ class BlockCost:
     params: int
     out: torch.Tensor  # the output, detached: the next block's input
     options: list[Option] = field(default_factory=list)  # op-level menu (`remat.ops`)
+    offload: list[Option] = field(default_factory=list)  # its offload options, metered
     # predicted (a target): the times' (fastest, slowest) and checkpointing's own seconds
     fwd_range: tuple[float, float] | None = None
     bwd_range: tuple[float, float] | None = None

@@ -20,6 +20,7 @@ from rematlab.core.recipe import Step
 from rematlab.core.steps import is_oom, preserved
 from rematlab.core.timer import profile_timer, timed, watched
 from rematlab.plans.fixed import none_plan
+from rematlab.plans.offload import with_offload
 from rematlab.plans.plan import ChainCosts, Plan, Selective
 from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.shared import model_key, shared
@@ -28,6 +29,7 @@ from rematlab.remat.block import BlockCost, profile_block
 from rematlab.remat.chain import Repeats, block_input, cuda_target, optimizer_memory
 from rematlab.remat.compiled_menu import MenuBlock, block_menu
 from rematlab.remat.layers import LayerCall, LayerRemat, attach, capture
+from rematlab.remat.offload_costs import link_for, metered_offloads
 from rematlab.remat.ops import OPTION_REPEATS
 from rematlab.remat.outer import OuterCost, one_pass, outer_costs, output_tensor, step_time
 from rematlab.remat.profiling import Profiling
@@ -66,7 +68,7 @@ def _shared_key(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Pr
     """What a fake profile depends on (`rematlab.preflight.shared`): the model, batch and
     step, the layers' names, and the target's kind, allocation unit and calibration; None
     for op-level menus, whose options are priced as they are made."""
-    if how.ops or how.target is None:
+    if how.ops or how.offload or how.target is None:  # menus priced as they are made
         return None
     return ("profile", model_key(model, batch, how.step), tuple(names.get(id(m)) for m in layers),
             how.target.kind, how.target.unit, how.target.calibrated)
@@ -129,7 +131,7 @@ def _costs(model: nn.Module, batch: Batch, profiled: _Profiled, how: Profiling
     def column(key: str, first: Any, last: Any) -> list:
         return [first, *(getattr(r, key) for r in rows), last]
 
-    return ChainCosts(
+    costs = ChainCosts(
         x=x,
         saved=column("saved", outer.before_saved, outer.after_saved),
         keeps_input=column("keeps_input", False, outer.after_keeps_input),
@@ -152,6 +154,10 @@ def _costs(model: nn.Module, batch: Batch, profiled: _Profiled, how: Profiling
         + outer.loss,
         **(_ranges(rows, outer) if target is not None else {}),
     )
+    if not how.offload:
+        return costs
+    device = next(tensors(batch)).device
+    return with_offload(costs, column("offload", [], []), link_for(device, target))
 
 
 def _add_held(rows: list[BlockCost], x: list[int], live: list[int]) -> None:
@@ -287,5 +293,8 @@ def _profile_layer(layer: nn.Module, host_call: LayerCall, device: torch.device,
             with preserved(layer):
                 row.options = block_menu(
                     MenuBlock(layer, run, x_in, lc.others(), type(layer).__name__), row, how)
+        if how.offload:
+            row.offload = metered_offloads(layer, run, x_in, lc.others(), row,
+                                           link_for(device, how.target), how.unit)
         repeated.remember(layer, inputs, row)
     return replace(row)

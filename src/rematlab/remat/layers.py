@@ -41,14 +41,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from rematlab.core.batch import Batch, detached, first_float, tensors, to_device
 from rematlab.core.steps import runs_on
 from rematlab.exceptions import ConfigError
-from rematlab.plans.plan import Plan, Selective
+from rematlab.plans.offload import is_offload
+from rematlab.plans.plan import OFFLOAD_INPUT, Plan, Selective, offload_cap
 from rematlab.remat import compiled_budget
+from rematlab.remat.offload import Offloader
 from rematlab.remat.ops import run_option
+from rematlab.remat.profiling import COMPILED_NOT_OFFLOADED
 from rematlab.remat.recompute import RecomputeStats, recompute_contexts
 from rematlab.remat.structure import check_fits
 
@@ -180,6 +184,12 @@ class LayerRemat:
         self.blocks = layers
         self.plan = plan
         self.recompute = RecomputeStats()
+        # offloaded layers (`plans.offload`): their positions, and one offloader for all
+        self.moved = {it.block - 1: (it.option, offload_cap(it.option)) for it in plan.items
+                      if isinstance(it, Selective) and is_offload(it)}
+        self.offloader = (Offloader([t for layer in layers
+                                     for t in (*layer.parameters(), *layer.buffers())])
+                          if self.moved else None)
         self.hooks: list[Callable[[torch.Tensor], None]] = []
         for layer in layers:
             _install(layer)
@@ -188,11 +198,34 @@ class LayerRemat:
         """Whether the plan checkpoints `layer`, whole or op by op (by identity: copies of a
         model have their own layers, and their own runner)."""
         return any(self.blocks[s.start - 1] is layer for s in self.plan.segments) or \
-            self._option(layer) is not None
+            self._option(layer) is not None or any(
+                self.blocks[i] is layer and name == OFFLOAD_INPUT
+                for i, (name, _) in self.moved.items())
 
     def _option(self, layer: nn.Module) -> Selective | None:
         return next((it for it in self.plan.items if isinstance(it, Selective)
-                     and self.blocks[it.block - 1] is layer), None)
+                     and not is_offload(it) and self.blocks[it.block - 1] is layer), None)
+
+    def offloading(self, layer: nn.Module, args: tuple, kwargs: dict,
+                   forward: Callable[[], Any]) -> Any:
+        """`forward()`, layer `layer`'s forward under this plan, with the offloader told
+        (`remat.offload`): the layer's saved tensors moved if the plan offloads it, and its
+        end of forward in any case (earlier layers' copies are waited for then)."""
+        if self.offloader is None:
+            return forward()
+        if torch.compiler.is_compiling():
+            raise ConfigError(COMPILED_NOT_OFFLOADED)
+        index = next(i for i, b in enumerate(self.blocks) if b is layer)
+        name, cap = self.moved.get(index, (None, None))
+        kept = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if name == OFFLOAD_INPUT:  # checkpointed: the input it saves moves, the rest stays
+            hidden = first_float((args, kwargs))
+            kept = [t for t in kept if t is not hidden]
+        with (self.offloader.layer(index, tuple(kept), cap) if name is not None
+              else contextlib.nullcontext()):
+            out = forward()
+        self.offloader.forwarded(index, out)
+        return out
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -241,12 +274,13 @@ class _LayerForward:
         if plan is None or not torch.is_grad_enabled():
             return type(layer).forward(layer, *args, **kwargs)
         if plan.checkpoints(layer):
-            return plan.run(layer, args, kwargs)
+            return plan.offloading(layer, args, kwargs, lambda: plan.run(layer, args, kwargs))
         # a training step under a plan runs without key/value caches, kept layers too, as
         # transformers does under gradient checkpointing: a cache is for generation, and it
         # would hold every kept layer's keys and values until the output dies
         args, kwargs = _without_cache(args, kwargs)
-        return type(layer).forward(layer, *args, **kwargs)
+        return plan.offloading(layer, args, kwargs,
+                               lambda: type(layer).forward(layer, *args, **kwargs))
 
 
 class _PlannedForward:

@@ -302,7 +302,7 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     def selective(x: torch.Tensor) -> torch.Tensor:
         return run_option(item, module, run, RecomputeStats(), "profiling", x)
 
-    tracked = _OptionRun(unit, target is not None)
+    tracked = OptionRun(unit, target is not None)
     tracked.tracker.track([x_in, *module.parameters(), *module.buffers(), *(others or ())])
     with preserved(module):
         block_step(selective, x_in, tracked)
@@ -323,7 +323,7 @@ def option_costs(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
                   sequence=item.sequence, modules=item.modules)
 
 
-class _OptionRun(Phases):
+class OptionRun(Phases):
     """An option's tracked forward and backward (`block_step`'s phases): the live-storage
     tracker around both, the roofline's logs with a target; what the option holds once the
     forward ends (the output dropped: autograd keeps it only if the option saves it)."""

@@ -131,6 +131,9 @@ class RematChain(nn.Module):
         if plan.n_blocks != len(blocks):
             raise ConfigError(f"plan is for {plan.n_blocks} blocks, the chain has {len(blocks)}")
         check_fits(plan, blocks, "block", first=0)
+        if plan.offloaded:
+            raise ConfigError(f"block(s) {plan.offloaded} offload: offload runs per layer of a "
+                              "model that runs its own layer loop, not in a chain of blocks")
         self.blocks = nn.ModuleList(blocks)
         self.plan = plan
         self.recompute = RecomputeStats()
