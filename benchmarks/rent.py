@@ -108,7 +108,7 @@ def _against_published() -> list[str]:
         worst = max(worst, abs(error or 0.0))
         lines.append(
             f"| {row['id']} | {target.name} x {count} "
-            f"| `{(got.plan or got.why or '')[:40]}` "
+            f"| {f'{got.recomputed} of {got.blocks} layers recomputed' if got.fits else got.why} "
             f"| {'' if mine is None else f'{mine:,.0f}'} | {measured:,} "
             f"| {'' if error is None else f'{error:+.1%}'} "
             f"| {peer.tokens_per_s:,.0f} (`{row['checkpointing']}`) "

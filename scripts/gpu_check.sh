@@ -12,7 +12,8 @@
 #   CUDA tests (cuda-tests.txt)                                            60 s
 #   pre-flight replayed against the facts just recorded (replay.txt)       40 s
 #   plans: eager and torch.compile at three budgets (plans.json)           40 s
-# which is at most 5 minutes; then the seed study's GPU grid (grids/seed-study-gpu.toml) for
+#   offload: two offloading plans, measured, and pre-flight's (offload.json) 60 s
+# which is at most 6 minutes; then the seed study's GPU grid (grids/seed-study-gpu.toml) for
 # at most 4 minutes, resumable (study.duckdb: STUDY_DB=that file continues it), then fit and
 # stats. docs/gpu.md estimates each step. `--dry-run` runs the same steps on the CPU at the
 # smallest sizes (what CI runs).
@@ -92,6 +93,7 @@ step replay 40 env REMATLAB_FACTS="$OUT/facts" "$PY" -m pytest tests/test_gpu_fa
     -p no:cacheprovider -k "recorded_layers or preflight_matches"
 step plans 40 "$PY" scripts/gpu_plans.py --model vgg16 --input "$SCALE" --batch "$BATCH" \
     --device "$DEV" --compile-model "$COMPILE_MODEL" --out "$OUT/plans.json"
+step offload 60 "$PY" scripts/gpu_offload.py --device "$DEV" --out "$OUT/offload.json"
 
 # the seed study's GPU grid (grids/seed-study-gpu.toml, 2,124 configurations, ~4.2 min on an
 # H200 by scripts/gpu_grid_estimate.py), last and resumable: a run cut off keeps its rows, and

@@ -12,7 +12,14 @@ import transformers
 
 import rematlab
 from rematlab.exceptions import ConfigError
-from rematlab.plans.offload import Link, host_bytes, is_offload, prefetched, with_offload
+from rematlab.plans.offload import (
+    Link,
+    host_bytes,
+    is_offload,
+    serialized,
+    unprefetched,
+    with_offload,
+)
 from rematlab.plans.plan import OFFLOAD_INPUT, ChainCosts, Option, Plan, Selective
 from rematlab.plans.simulate import simulate
 from rematlab.preflight.targets import GH200_LINK, PROFILES
@@ -157,21 +164,20 @@ def test_pricing_hides_what_the_window_can_and_pays_the_rest():
     host = 8 << 20
     fast = with_offload(c, _metered(c, host), Link(1e12, 1e12, 1 << 40))
     slow = with_offload(c, _metered(c, host), Link(1e9, 1e9, 1 << 40))
-    serial = with_offload(c, _metered(c, host), Link(1e12, 1e12, 1 << 40), overlapped=False)
+    serial = serialized(fast, Link(1e12, 1e12, 1 << 40))
     hidden, exposed = fast.option(1, "offload"), slow.option(1, "offload")
-    assert hidden.fwd_time == c.fwd_time[1]  # the next layer's forward hides the copy
-    assert hidden.bwd_time - hidden.prefetched == pytest.approx(c.bwd_time[1])  # prefetched
+    assert (hidden.fwd_time, hidden.bwd_time) == (c.fwd_time[1], c.bwd_time[1])
     assert exposed.fwd_time == pytest.approx(c.fwd_time[1] + host / 1e9 - c.fwd_time[2])
     assert serial.option(1, "offload").fwd_time == pytest.approx(c.fwd_time[1] + host / 1e12)
+    assert serial.option(1, "offload").bwd_time == pytest.approx(c.bwd_time[1] + host / 1e12)
     # the previous layer's prefetch is held in backward; the last layer is never offered
     assert exposed.bwd_mem == c.bwd_mem[1] + host and slow.option(2, "offload").bwd_mem == (
         c.bwd_mem[1] + 2 * host)
     assert not slow.menu(c.n - 2)
-    # every reload is charged unhidden; a next offloaded layer's prefetch gives back what
-    # its backward hides
-    assert exposed.bwd_time == pytest.approx(c.bwd_time[1] + host / 1e9)
+    # a reload is taken as prefetched; one that no next offloaded layer prefetched is paid
+    assert exposed.bwd_time == pytest.approx(c.bwd_time[1] + host / 1e9 - c.bwd_time[2])
     run = (0, Selective(1, "offload"), Selective(2, "offload"), 3, 4)
-    assert prefetched(run, slow) == pytest.approx(c.bwd_time[2])
+    assert unprefetched(run, slow) == pytest.approx(c.bwd_time[3])
 
 
 def test_no_plan_pins_more_host_memory_than_the_job_may():

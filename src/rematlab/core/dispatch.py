@@ -3,7 +3,7 @@ listeners about the call, in the order they were given.
 
 Every instrument that watches ops is a listener: the live-storage meter (`probes.
 LiveTensorTracker`, and the sharded rank meter built on it), autocast's weight copies
-(`probes.CastRecorder`), the roofline's op log (`preflight.roofline.OpLog`), calibration's
+(`precision.CastRecorder`), the roofline's op log (`preflight.roofline.OpLog`), calibration's
 op timer, the op menus' recorder (`remat.ops`) and the kernels' scratch
 (`preflight.kernels`, `preflight.workspace`). One mode instead of one per instrument means
 each op is timed once, its FLOPs are counted once (`OpCall.flops`, from the formulas of

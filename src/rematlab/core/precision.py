@@ -7,11 +7,14 @@ precisions: the module and the batch's floats are converted, `Fabric`'s `HalfPre
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, cast
+from rematlab.core.dispatch import OpCall, Recorded
+from rematlab.core.probes import rounded
 from rematlab.exceptions import ConfigError
 
 MIXED = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
@@ -56,3 +59,29 @@ def as_trained(model: nn.Module, batch: Batch, dtype: torch.dtype | None
     if any(p.dtype != dtype and p.is_floating_point() for p in model.parameters()):
         model = copy.deepcopy(model).to(dtype)
     return model, cast(batch, dtype)
+
+
+class CastRecorder(Recorded):
+    """The bytes of the `dtype` copies autocast makes of `params` while active: the copies
+    its weight cache keeps until the autocast region ends (it caches casts of trainable fp32
+    leaves only, `autocast_mode.cpp`'s `cached_cast`), each parameter once. Autocast reads
+    as disabled below it, where dispatch modes run, so the region's dtype is given."""
+
+    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype, unit: int = 1
+                 ) -> None:
+        self.unit, self.dtype = unit, dtype
+        self._params = {id(p): p for p in params
+                        if p.requires_grad and p.dtype == torch.float32}
+        self.casts: dict[int, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.casts.values())
+
+    def on_op(self, call: OpCall) -> None:
+        out, args = call.out, call.args
+        if call.func is torch.ops.aten._to_copy.default and args \
+                and id(args[0]) in self._params \
+                and isinstance(out, torch.Tensor) and out.dtype == self.dtype:
+            self.casts.setdefault(id(args[0]),
+                                  rounded(out.untyped_storage().nbytes(), self.unit))

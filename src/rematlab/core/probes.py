@@ -159,32 +159,6 @@ class LiveTensorTracker(Recorded):
                 self.listener.free((id(call), i))
 
 
-class CastRecorder(Recorded):
-    """The bytes of the `dtype` copies autocast makes of `params` while active: the copies
-    its weight cache keeps until the autocast region ends (it caches casts of trainable fp32
-    leaves only, `autocast_mode.cpp`'s `cached_cast`), each parameter once. Autocast reads
-    as disabled below it, where dispatch modes run, so the region's dtype is given."""
-
-    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype, unit: int = 1
-                 ) -> None:
-        self.unit, self.dtype = unit, dtype
-        self._params = {id(p): p for p in params
-                        if p.requires_grad and p.dtype == torch.float32}
-        self.casts: dict[int, int] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.casts.values())
-
-    def on_op(self, call: OpCall) -> None:
-        out, args = call.out, call.args
-        if call.func is torch.ops.aten._to_copy.default and args \
-                and id(args[0]) in self._params \
-                and isinstance(out, torch.Tensor) and out.dtype == self.dtype:
-            self.casts.setdefault(id(args[0]),
-                                  rounded(out.untyped_storage().nbytes(), self.unit))
-
-
 @dataclass(frozen=True)
 class Span:
     """Allocator bytes above the trace's entry level: at a phase's start and at its peak."""

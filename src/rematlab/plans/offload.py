@@ -25,10 +25,11 @@ the terms, each measured or derived here:
   once here (forward copies out, backward copies in), so they do not share the link. Only a
   next layer that is offloaded too prefetches (its backward starts the reload); otherwise a
   layer reloads in its own backward, unhidden. The solver, which sees one layer at a time,
-  charges every reload unhidden; the simulator gives back what a prefetch hides
-  (`prefetched`), as it adds autocast's casts, after the solver's recursion: so a plan's
-  time is never more than the solver believed, and offload never makes a plan slower than
-  the one the solver would have chosen without it.
+  takes every reload as prefetched; the simulator adds what no prefetch hid
+  (`unprefetched`), as it adds autocast's casts, after the solver's recursion. Where that
+  makes a plan slower than one without offload, the frontier has the other: the chain is
+  solved without offload too, and the two frontiers are merged (`plans.solver.solve`), so
+  offload never makes a budget's plan slower.
 - **Host memory.** The pinned pool holds each offloaded layer's bytes until its backward;
   only the first layers whose bytes fit in `Link.host` are offered offload, so no plan pins
   more than the job may. Pinning is paid once per buffer size (a pool), not per step.
@@ -98,12 +99,10 @@ def option_name(cap: int | None) -> str:
     return OFFLOAD if cap is None else f"{OFFLOAD} {cap}"
 
 
-def with_offload(c: ChainCosts, metered: list[list[Option]], link: Link,
-                 overlapped: bool = True) -> ChainCosts:
+def with_offload(c: ChainCosts, metered: list[list[Option]], link: Link) -> ChainCosts:
     """`c` with each block's offload options (`metered[i]`: their bytes as metered under the
     offloader, `host` > 0, their times the plain block's) in its menu, priced on `link`
-    (module docstring); blocks beyond what the host may pin get none. `overlapped=False`
-    prices copies that overlap nothing (torch's `save_on_cpu`: synchronous)."""
+    (module docstring); blocks beyond what the host may pin get none."""
     if len(metered) != c.n:
         raise ConfigError(f"offload costs for {len(metered)} blocks, the chain has {c.n}")
     menus = [list(c.menu(i)) for i in range(c.n)]
@@ -118,10 +117,9 @@ def with_offload(c: ChainCosts, metered: list[list[Option]], link: Link,
         # the next layer's forward, however it runs (offloaded: with its copies' staging)
         fwd_next = max([c.fwd_mem[nxt], *(c.rec_mem[nxt:nxt + 1]),
                         *(o.fwd_mem for o in (*c.menu(nxt), *metered[nxt]))])
-        fwd_window, bwd_window = (c.fwd_time[nxt], c.bwd_time[nxt]) if overlapped else (0, 0)
         for raw in metered[s]:
             h2d = raw.host / link.h2d
-            hidden_in = exposed(h2d, bwd_window)
+            hidden_in = exposed(h2d, c.bwd_time[nxt])
             # checkpointed with its input offloaded: its forward runs again in backward
             again = (c.fwd_time[s] + c.checkpoint_cost(s) if raw.name == OFFLOAD_INPUT
                      else 0.0)
@@ -129,20 +127,35 @@ def with_offload(c: ChainCosts, metered: list[list[Option]], link: Link,
                 raw, saves=(), modules=(),
                 fwd_mem=max(raw.fwd_mem, raw.saved + c.x[s + 1] + raw.host + fwd_next),
                 bwd_mem=raw.bwd_mem + most[s - 1],
-                fwd_time=c.fwd_time[s] + exposed(raw.host / link.d2h, fwd_window),
-                bwd_time=again + c.bwd_time[s] + h2d, prefetched=h2d - hidden_in))
+                fwd_time=c.fwd_time[s] + exposed(raw.host / link.d2h, c.fwd_time[nxt]),
+                bwd_time=again + c.bwd_time[s] + hidden_in, unprefetched=h2d - hidden_in))
     return replace(c, options=menus)
 
 
-def prefetched(items: tuple[Item, ...], c: ChainCosts) -> float:
-    """Seconds of reloads that a prefetch hides: an offloaded block whose next item is an
-    offloaded block is reloaded under that block's backward."""
-    hidden = 0.0
+def serialized(c: ChainCosts, link: Link) -> ChainCosts:
+    """`c`'s offload options with copies that overlap nothing (torch's `save_on_cpu`: each
+    copy synchronous on the compute stream, no prefetch): a peer's price, not a choice."""
+    menus = [[replace(o, fwd_time=c.fwd_time[s] + o.host / link.d2h,
+                      bwd_time=o.bwd_time + o.unprefetched, unprefetched=0.0)
+              if offloads(o.name) else o for o in c.menu(s)] for s in range(c.n)]
+    return replace(c, options=menus)
+
+
+def unprefetched(items: tuple[Item, ...], c: ChainCosts) -> float:
+    """Seconds of reloads no prefetch hid: an offloaded block whose next item is not an
+    offloaded block reloads in its own backward."""
+    extra = 0.0
     for item, after in zip(items, (*items[1:], None), strict=True):
-        if is_offload(item) and is_offload(after):
+        if is_offload(item) and not is_offload(after):
             assert isinstance(item, Selective)
-            hidden += c.option(item.block, item.option).prefetched
-    return hidden
+            extra += c.option(item.block, item.option).unprefetched
+    return extra
+
+
+def without_offload(c: ChainCosts) -> ChainCosts:
+    """`c` with no offload option in any menu."""
+    return replace(c, options=[[o for o in c.menu(i) if not offloads(o.name)]
+                               for i in range(c.n)])
 
 
 def host_bytes(items: tuple[Item, ...], c: ChainCosts) -> int:

@@ -47,8 +47,8 @@ class Option:
     of the block's op sequence, so a plan made for other code is refused
     (`rematlab.remat.ops`). An option named "offload" (`rematlab.plans.offload`) runs the
     block kept with `host` of its saved bytes in host memory until its backward; its times
-    count the reload unhidden, and `prefetched` is what a next offloaded block's prefetch
-    hides of it."""
+    take its reload as prefetched by the next block, and `unprefetched` is what the reload
+    costs more when the next block is not offloaded."""
 
     name: str
     saves: tuple[tuple[str, int], ...]
@@ -62,7 +62,7 @@ class Option:
     sequence: str = ""
     modules: tuple[str, ...] = ()
     host: int = 0
-    prefetched: float = 0.0
+    unprefetched: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,22 +86,18 @@ OFFLOAD_INPUT = "offload input"  # checkpointed, its input offloaded (transforme
 
 
 def offloads(option: str) -> bool:
-    """Whether an option of this name offloads: "offload" (every saved tensor worth moving),
-    "offload N" (up to N bytes, `offload_cap`) or "offload input" (checkpointed, its input
-    moved)."""
-    return option == OFFLOAD or option.startswith(OFFLOAD + " ")  # "offload input" too
+    """Whether an option offloads: "offload", "offload N" (up to N bytes), "offload input"."""
+    return option == OFFLOAD or option.startswith(OFFLOAD + " ")
 
 
 def offload_cap(option: str) -> int | None:
-    """The bytes an offload option moves at most (None: all), refused unless the name is
-    one `offloads` reads as written by the planner."""
-    if option in (OFFLOAD, OFFLOAD_INPUT):
-        return None
+    """The bytes an offload option moves at most (None: all); a name the planner does not
+    write is refused."""
     text = option.removeprefix(OFFLOAD + " ")
-    if not text.isdigit():
+    if option not in (OFFLOAD, OFFLOAD_INPUT) and not text.isdigit():
         raise ConfigError(f"option {option!r} is not an offload option: 'offload' or "
                           "'offload <bytes>'")
-    return int(text)
+    return int(text) if text.isdigit() else None
 
 
 Item = Union[int, Selective, Segment]  # noqa: UP007 - recursive alias needs the runtime form
@@ -246,14 +242,10 @@ class Plan:
 
     @property
     def recomputed(self) -> int:
-        """How many blocks recompute activations: those of top-level segments, and those
-        with an op-level option (an offloaded block recomputes nothing, unless its input
-        alone is offloaded)."""
-        return sum(it.end - it.start if isinstance(it, Segment) else 1
-                   for it in self.items
-                   if not isinstance(it, int) and not (isinstance(it, Selective)
-                                                       and offloads(it.option)
-                                                       and it.option != OFFLOAD_INPUT))
+        """Blocks recomputing: top-level segments' and options' (offloaded: "offload input")."""
+        return sum(it.end - it.start if isinstance(it, Segment) else 1 for it in self.items
+                   if isinstance(it, Segment) or (isinstance(it, Selective)
+                   and (not offloads(it.option) or it.option == OFFLOAD_INPUT)))
 
     @property
     def offloaded(self) -> list[int]:

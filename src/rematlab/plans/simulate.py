@@ -9,7 +9,7 @@ during backward (the design note in `rematlab.plans.plan`).
 from __future__ import annotations
 
 from rematlab.exceptions import ConfigError
-from rematlab.plans.offload import prefetched
+from rematlab.plans.offload import unprefetched
 from rematlab.plans.plan import ChainCosts, Item, Option, Plan, Selective
 
 
@@ -98,7 +98,7 @@ def items_cost(items: tuple[Item, ...], costs: ChainCosts) -> tuple[int, float]:
     """`simulate` for a plan's top-level items (what the solver's frontier reads)."""
     mem, time = need(items, costs.n, True, costs)
     return (step_peak(costs, max(mem, cached_forward(items, costs))),
-            time - prefetched(items, costs))
+            time + unprefetched(items, costs))
 
 
 def cached_forward(items: tuple[Item, ...], c: ChainCosts) -> int:

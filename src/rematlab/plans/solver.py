@@ -11,6 +11,10 @@ autocast the forward also holds checkpointed blocks' cached weight casts
 simulator's (`items_cost`), so no budget is broken, and the plans are optimal for the
 recursion's costs, the casts added after.
 
+Offload options (`rematlab.plans.offload`) are chosen like op-level options; the recursion
+takes their reloads as prefetched, which the simulator corrects, so the chain is also solved
+without them and the frontier is the Pareto front of both solutions' plans.
+
 Why it is fast enough for long chains (docs/benchmarks/planner.md):
 - **One table, every budget.** A solve fills the best time of the whole chain at every memory
   level; `Solution.frontier` reads the Pareto curve off it and a budget is a lookup.
@@ -42,6 +46,7 @@ import numpy as np
 
 from rematlab.core.units import infeasible
 from rematlab.exceptions import ConfigError
+from rematlab.plans.offload import without_offload
 from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
 from rematlab.plans.simulate import items_cost, keep_terms, need
 
@@ -66,6 +71,10 @@ class Solution:
     ids: np.ndarray
     table: np.ndarray
     choice: np.ndarray
+    # the chain solved without its offload options (`plans.offload`), whose plans the
+    # frontier weighs too: the recursion takes reloads as prefetched, and where the
+    # simulator says otherwise a plan without offload may be faster
+    fallback: Solution | None = None
 
     @property
     def min_peak(self) -> int:
@@ -87,6 +96,9 @@ class Solution:
             items = self._build(self.table.shape[0] - 1, 1, 0, c.n, int(lvl))
             if items not in found:
                 found[items] = items_cost(items, c)
+        if self.fallback is not None:
+            for plan in self.fallback.frontier:
+                found.setdefault(plan.items, items_cost(plan.items, c))
         if not found:  # costs no plan can meet (negative or inconsistent profiles)
             raise ConfigError(f"the profiled costs of these {c.n} blocks admit no plan; "
                               "check which blocks were chosen (blocks=)")
@@ -224,6 +236,9 @@ def solve(costs: ChainCosts, levels: int | None = None, unit: int | None = None,
     2n+2 times along a plan, so the grid gets that many levels of headroom above the full
     need: keeping everything stays feasible.
     """
+    plain = without_offload(costs)
+    fallback = (solve(plain, levels, unit, layers)
+                if plain.options != costs.options else None)
     n = costs.n
     ids, lengths = intern_subchains(costs, layers)
     n_ids = lengths.size
@@ -239,7 +254,7 @@ def solve(costs: ChainCosts, levels: int | None = None, unit: int | None = None,
             if not done[sub]:
                 grid.fill(s, s + length, ids)
                 done[sub] = True
-    return Solution(costs, unit, top, ids, grid.table, grid.choice)
+    return Solution(costs, unit, top, ids, grid.table, grid.choice, fallback)
 
 
 class _Grid:

@@ -15,8 +15,8 @@ from torch import nn
 
 from rematlab.core import flops as flop_count
 from rematlab.core.dispatch import OpListener, OpRecorder
+from rematlab.core.precision import CastRecorder
 from rematlab.core.probes import (
-    CastRecorder,
     LiveTensorTracker,
     allocator_trace,
     rounded,
