@@ -25,7 +25,7 @@ from rematlab.plans.simulate import simulate
 from rematlab.preflight.targets import GH200_LINK, PROFILES
 from rematlab.remat.layers import remat_of
 
-CONFIG = {"n_layer": 6, "n_embd": 256, "n_head": 4, "vocab_size": 1024, "n_positions": 512}
+CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 1024, "n_positions": 512}
 STEP = rematlab.Step(precision="bf16", optimizer=torch.optim.AdamW)
 
 
@@ -100,14 +100,13 @@ def test_an_offloading_plan_gives_the_plain_models_gradients(planned):
     """Each kind of offload option, applied to a real float64 model on this CPU (where the
     copies are synchronous): every gradient equal to the plain model's, and tensors moved."""
     n = planned[True].costs.n
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**CONFIG, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).double().train()
+    ids = torch.randint(0, 1024, (2, 512))  # hidden states: 2 MiB in float64
+    model(input_ids=ids, labels=ids).loss.backward()
+    plain = {k: v.grad.clone() for k, v in model.named_parameters()}
     for name in ("offload", OFFLOAD_INPUT, f"offload {3 << 20}"):  # all; input; up to 3 MiB
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(**CONFIG, resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0)
-        model = transformers.GPT2LMHeadModel(config).double().train()
-        ids = torch.randint(0, 1024, (2, 512))  # hidden states: 2 MiB in float64
-        model(input_ids=ids, labels=ids).loss.backward()
-        plain = {k: v.grad.clone() for k, v in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         plan = Plan(n, (0, 1, *(Selective(i, name) for i in range(2, n - 2)), n - 2, n - 1))
         remat = rematlab.apply(model, plan)
@@ -122,7 +121,9 @@ def test_offload_is_refused_where_it_cannot_be_planned():
     with pytest.raises(ConfigError, match="on a CPU they are one memory"):
         rematlab.plan(model, {"input_ids": ids, "labels": ids}, "1GiB", offload=True)
     with pytest.raises(ConfigError, match="on a CPU they are one memory"):
-        rematlab.prepare(_meta_gpt2(), _batch(), predict=True, target="cpu", offload=True)
+        rematlab.prepare(_meta_gpt2(), _batch(), predict=True, offload=True,
+                         target={"name": "a cpu", "kind": "cpu", "memory": "64GiB",
+                                 "flops": 1e12, "bandwidth": 1e11})
     with pytest.raises(ConfigError, match=r"torch\.compile"):
         rematlab.PlanOptions(offload=True, compile=True)
     with pytest.raises(ConfigError, match="offload must be True or False"):
