@@ -25,7 +25,7 @@ from rematlab.core.recipe import Step
 from rematlab.planning.planner import prepare
 from rematlab.plans.offload import host_bytes
 from rematlab.preflight.targets import profile_of_device
-from rematlab.remat.layers import remat_of
+from rematlab.remat.layers import offloader_of
 from rematlab.remat.strategies import apply
 
 FRACTIONS = (0.25, 0.75)  # of the way from the floor (with offload) to keeping everything
@@ -65,14 +65,14 @@ def measured(device: str, layers: int, width: int, batch: int, seq: int) -> list
         chosen = planning.choose(budget)
         planned = apply(model, chosen)
         seconds = _step_seconds(planned, data, step)
+        offloader = offloader_of(planned)
         rows.append({"fraction": fraction, "budget": budget, "plan": chosen.describe(),
                      "predicted_peak": chosen.predicted_peak,
                      "measured_peak": chosen.measured_peak,
                      "predicted_time": chosen.predicted_time, "step_s": seconds,
                      "plain_step_s": plain,
                      "host_bytes": host_bytes(chosen.items, planning.costs),
-                     "host_pinned": remat_of(planned).offloader.pool.allocated
-                     if remat_of(planned).offloader is not None else 0})
+                     "host_pinned": offloader.pool.allocated if offloader is not None else 0})
     return rows
 
 

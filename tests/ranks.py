@@ -25,6 +25,8 @@ import rematlab
 from rematlab import DDP, FSDP, Plan, Step
 from rematlab.core.batch import call, tensors
 from rematlab.core.steps import default_loss
+from rematlab.plans.plan import Selective
+from rematlab.remat.layers import offloader_of
 from tests.realzoo import gpt2, llama
 
 MODELS = {"gpt2": (gpt2, "transformer.h"), "llama": (llama, "model.layers")}
@@ -134,6 +136,26 @@ def fsdp_worker(rank: int, world: int, names: list[str]) -> dict:
         found[name] = {"rows": rows, "grad_error": error, "grads": len(got),
                        "plain_grads": len(want)}
     return found
+
+
+def offload_worker(rank: int, world: int) -> dict:
+    """An offloading plan applied to the unsharded model, then sharded by FSDP2 as a user
+    does: the gathered float64 gradients against the plain model's, and what moved (the
+    hidden states are 4 MiB, above the offloader's 1 MiB floor)."""
+    torch.manual_seed(0)
+    model, batch = gpt2(batch=4, seq=512, layers=4, width=256)
+    plan = Plan(6, (0, Selective(1, "offload"), Selective(2, "offload input"), 3, 4, 5))
+    twin = copy.deepcopy(model).double()
+    planned = rematlab.apply(twin, plan)
+    for layer in layers_of(twin, "gpt2"):
+        fully_shard(layer)
+    fully_shard(planned)
+    torch.manual_seed(1)  # the same dropout masks as the plain run's
+    default_loss(call(planned, batch), batch).backward()
+    got = {n: p.grad.full_tensor() for n, p in planned.named_parameters()}
+    want = plain_grads(model, batch)
+    return {"grad_error": max(float((got[k] - want[k]).abs().max()) for k in want),
+            "grads": len(got), "moved": offloader_of(planned).stats.tensors}
 
 
 def nccl_worker(rank: int, world: int) -> dict:

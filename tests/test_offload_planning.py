@@ -12,6 +12,7 @@ import transformers
 
 import rematlab
 from rematlab.exceptions import ConfigError
+from rematlab.planning.planner import RANK_TOLERANCE
 from rematlab.plans.offload import (
     Link,
     host_bytes,
@@ -23,7 +24,8 @@ from rematlab.plans.offload import (
 from rematlab.plans.plan import OFFLOAD_INPUT, ChainCosts, Option, Plan, Selective
 from rematlab.plans.simulate import simulate
 from rematlab.preflight.targets import GH200_LINK, PROFILES
-from rematlab.remat.layers import remat_of
+from rematlab.remat.layers import offloader_of
+from tests import ranks
 
 CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 1024, "n_positions": 512}
 STEP = rematlab.Step(precision="bf16", optimizer=torch.optim.AdamW)
@@ -112,7 +114,7 @@ def test_an_offloading_plan_gives_the_plain_models_gradients(planned):
         remat = rematlab.apply(model, plan)
         remat(input_ids=ids, labels=ids).loss.backward()
         assert all(torch.equal(v.grad, plain[k]) for k, v in model.named_parameters()), name
-        assert remat_of(remat).offloader.stats.tensors > 0
+        assert offloader_of(remat).stats.tensors > 0
 
 
 def test_offload_is_refused_where_it_cannot_be_planned():
@@ -131,9 +133,6 @@ def test_offload_is_refused_where_it_cannot_be_planned():
     with pytest.raises(ConfigError, match="chain of blocks"):
         rematlab.prepare(rematlab.zoo.mlp(3), torch.empty(8, 784, device="meta"),
                          predict=True, target="h100-80gb", offload=True)
-    with pytest.raises(ConfigError, match="parallel layout"):
-        rematlab.prepare(_meta_gpt2(), _batch(), predict=True, target="h100-80gb",
-                         offload=True, step=rematlab.Step(layout=rematlab.FSDP(2)))
 
 
 def test_an_edited_offload_option_or_one_in_a_chain_is_refused():
@@ -190,3 +189,25 @@ def test_no_plan_pins_more_host_memory_than_the_job_may():
         Link(0, 1e9, 0)
     with pytest.raises(ConfigError, match="whole number of bytes"):
         Link(1e9, 1e9, -1)
+
+
+@pytest.mark.slow  # two gloo ranks, and a sharded fake step per plan (about 30 s)
+def test_offload_composes_with_fsdp2(tmp_path):
+    """Real FSDP2 over gloo on this CPU: an offloading plan applied, then sharded, gives the
+    plain model's gradients and moves tensors. Pre-flight for one rank of FSDP(2): the
+    options priced per rank (gathered parameters added as the block's), each offloading plan
+    of the frontier run on a fake group within the rank tolerance of its simulated peak, and
+    the plan chosen for a budget holds it there."""
+    results = ranks.spawn(ranks.offload_worker, 2, tmp_path)
+    for result in results:
+        assert result["grad_error"] < 1e-10 and result["grads"] > 0 and result["moved"] > 0
+    step = rematlab.Step(precision="bf16", optimizer=torch.optim.AdamW,
+                         layout=rematlab.FSDP(2))
+    planning = rematlab.prepare(_meta_gpt2(), _batch(), predict=True, target="h100-80gb",
+                                step=step, offload=True)
+    offloading = [p for p in planning.solution.frontier if p.offloaded]
+    assert offloading
+    for plan in offloading:
+        assert planning.rank(plan).peak <= (1 + RANK_TOLERANCE) * plan.predicted_peak
+    budget = (planning.floor_budget() + planning.full) // 2
+    assert planning.rank(planning.choose(budget)).peak <= budget

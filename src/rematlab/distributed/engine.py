@@ -31,6 +31,7 @@ from rematlab.distributed.meter import RankTracker
 from rematlab.distributed.shard import shard
 from rematlab.plans.plan import Plan
 from rematlab.preflight.fake import FakeSession
+from rematlab.remat.layers import offloader_of
 from rematlab.remat.strategies import apply
 from rematlab.remat.tracing import meta_copy
 
@@ -139,6 +140,9 @@ class RankEngine:
             tracker.track([*model.buffers(), *tensors(batch)], INPUTS)
             if buckets is not None:
                 tracker.track(buckets.tensors(), BUCKETS)
+            offloader = offloader_of(model)
+            if offloader is not None:  # its host buffers are not the rank's device memory
+                offloader.metered_by(tracker)
             with tracker:
                 self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
             peak, split, method = tracker.peak, tracker.at_peak, tracker.method

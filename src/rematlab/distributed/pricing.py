@@ -75,8 +75,11 @@ def per_rank(costs: ChainCosts, groups: list[list[nn.Parameter]], block_units: l
         live = [0] * len(live)
     backward = [live[i] + (full_grads[u] if u is not None else 0)
                 for i, u in enumerate(block_units)]
+    # a block's options run its unit's gathered parameters as the block does
+    options = [[replace(o, fwd_mem=o.fwd_mem + live[i], bwd_mem=o.bwd_mem + backward[i])
+                for o in costs.menu(i)] for i in range(costs.n)]
     return replace(
-        costs, base=base, state=state,
+        costs, base=base, state=state, options=options,
         grad=[round(g * ratio) for g in costs.grad],
         fwd_mem=[m + g for m, g in zip(costs.fwd_mem, live, strict=True)],
         rec_mem=[m + g for m, g in zip(costs.rec_mem, live, strict=True)] if costs.rec_mem

@@ -76,16 +76,13 @@ def predicted_costs(model: nn.Module, batch: object, st: Structure, device: obje
 def offloadable(st: Structure, step: Step, device: torch.device, target: Target | None
                 ) -> None:
     """Refuse offload where it cannot be planned, saying why: where host and device memory
-    are one (a CPU), for a chain of blocks (offload is planned per layer of a model that runs
-    its own layer loop), or under a parallel layout (not yet priced per rank)."""
+    are one (a CPU), or for a chain of blocks (offload is planned per layer of a model that
+    runs its own layer loop)."""
     why = why_not(device, target)
     if why is None and st.kind != "layers":
         why = ("offload is planned per layer of a model that runs its own layer loop (a "
                "transformers model, or blocks=...); this model was found as a chain of "
                "blocks")
-    if why is None and step.layout is not None:
-        why = ("offload under a parallel layout (FSDP2/DDP) is not priced per rank yet: plan "
-               "one card, or plan the rank without offload")
     if why is not None:
         raise ConfigError(why)
 

@@ -28,7 +28,7 @@ from rematlab.preflight.fake import FakeSession
 from rematlab.preflight.kernels import KernelScratch
 from rematlab.preflight.shared import model_key, shared
 from rematlab.preflight.targets import Target
-from rematlab.remat.layers import remat_of
+from rematlab.remat.layers import offloader_of
 from rematlab.remat.strategies import RematChain, apply
 from rematlab.remat.structure import Structure
 from rematlab.remat.tracing import meta_copy
@@ -115,7 +115,7 @@ def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Pl
     trace = _Trace([], 0, 0)
     tracker = LiveTensorTracker()
     tracker.listener = trace
-    offloader = getattr(remat_of(planned), "offloader", None) if st.kind == "layers" else None
+    offloader = offloader_of(planned)
     if offloader is not None:  # its host buffers are not the card's
         offloader.metered_by(tracker)
     with session.active():

@@ -65,6 +65,7 @@ HOST_CHECKPOINT = (50e-6, 200e-6, 400e-6)
 HOST_LINKS = {"h100-80gb": (35e9, 35e9), "h200": (35e9, 35e9), "mi300x": (35e9, 35e9),
               "v100-32gb": (12e9, 12e9)}
 GH200_LINK = (170e9, 411e9)
+DEFAULT_LINK = (25e9, 25e9)  # a card with no row: PCIe Gen4
 HOST_MEMORY = 128 * 1024 * MiB  # pinned host bytes a job may hold per card: a default
 # What selective checkpointing's dispatch modes add per op and per pass (the forward's caching
 # mode, the recomputation's replay), low/typical/high seconds: `benchmarks/
@@ -105,7 +106,7 @@ class Target:
     extra: dict = field(default_factory=dict)
     # the host link offload copies over (`rematlab.plans.offload`): bytes/s device-to-host
     # and host-to-device (`HOST_LINKS`), and the host bytes a job may pin per card
-    host_link: tuple[float, float] = (25e9, 25e9)
+    host_link: tuple[float, float] = DEFAULT_LINK
     host_memory: int = HOST_MEMORY
 
     @property
@@ -148,7 +149,7 @@ def _gpu(name: str, memory_mib: int, fp32: float, bf16: float, bandwidth: float,
     efficiencies scaled by it (`mamf_efficiency`)."""
     tera = 1e12
     mamf = MAMF.get(name)
-    link = HOST_LINKS.get(name, (25e9, 25e9))
+    link = HOST_LINKS.get(name, DEFAULT_LINK)
     return Target(
         name=name, kind="cuda", memory=memory_mib * MiB,
         flops={"float32": fp32 * tera, "bfloat16": bf16 * tera,

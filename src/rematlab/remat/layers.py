@@ -224,7 +224,7 @@ class LayerRemat:
         with (self.offloader.layer(index, tuple(kept), cap) if name is not None
               else contextlib.nullcontext()):
             out = forward()
-        self.offloader.forwarded(index, out)
+        self.offloader.forwarded(index)
         return out
 
     @contextlib.contextmanager
@@ -367,6 +367,12 @@ def attach(model: nn.Module, runner: Any) -> nn.Module:
     object.__setattr__(twin, "forward", forward)
     object.__setattr__(twin, "_rematlab", runner)
     return twin
+
+
+def offloader_of(model: nn.Module) -> Offloader | None:
+    """The offloader of a model `rematlab.apply` returned with an offloading plan (None
+    otherwise): a meter of its step is told which storages are host buffers through it."""
+    return getattr(getattr(model, "_rematlab", None), "offloader", None)
 
 
 def remat_of(model: nn.Module) -> Any:

@@ -31,8 +31,8 @@ and torchtune's `OffloadActivations` are, with what their users were bitten by m
   bookkeeping are tested there), synchronously, and save nothing; planning on a CPU offers no
   offload for that reason.
 
-`Offloader.layer(i)` is the context a layer's forward runs in, `Offloader.forwarded(i, out)`
-what every layer calls as its forward ends; `Offloader.stats` counts what moved (tensors,
+`Offloader.layer(i)` is the context a layer's forward runs in, `Offloader.forwarded(i)` what
+every layer calls as its forward ends; `Offloader.stats` counts what moved (tensors,
 device bytes freed, host bytes held at the peak). A `meter` (the live-storage tracker) is
 told which storages are host buffers, so that it counts device and host bytes apart.
 """
@@ -205,12 +205,9 @@ class Offloader:
             yield
         self._settle(wait=False)
 
-    def forwarded(self, index: int, out: object) -> None:
+    def forwarded(self, index: int) -> None:
         """Layer `index`'s forward has ended (whether its tensors moved or not): the copies
-        of earlier layers are waited for, and their device tensors dropped. (`out`, the
-        layer's output, is not needed: a reload is started by the backward of the layer, or
-        of the next one when it is offloaded too, as pre-flight prices it.)"""
-        del out
+        of earlier layers are waited for, and their device tensors dropped."""
         self._settle(wait=True, before=index)
 
     # -- forward ------------------------------------------------------------------------------
@@ -371,7 +368,7 @@ class OffloadedLayers:
             self._handles.append(layer.register_forward_pre_hook(
                 lambda _m, args, kwargs, i=i: self._enter(i, args, kwargs), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(
-                lambda _m, _args, out, i=i: self._leave(i, out), always_call=True))
+                lambda *_, i=i: self._leave(i), always_call=True))
 
     def _enter(self, index: int, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or not self._active():
@@ -382,12 +379,12 @@ class OffloadedLayers:
             stack.enter_context(self.offloader.layer(index, (*args, *kwargs.values())))
         self._open.append(stack)
 
-    def _leave(self, index: int, out: object) -> None:
+    def _leave(self, index: int) -> None:
         stack = self._open.pop()
         if stack is None:
             return
         stack.close()
-        self.offloader.forwarded(index, out)
+        self.offloader.forwarded(index)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -18,7 +18,7 @@ from rematlab.core.probes import rounded
 from rematlab.core.steps import block_step, preserved
 from rematlab.plans.offload import Link, caps, option_name
 from rematlab.plans.plan import OFFLOAD_INPUT, Option
-from rematlab.preflight.targets import Target, profile_of_device
+from rematlab.preflight.targets import DEFAULT_LINK, HOST_MEMORY, Target, profile_of_device
 from rematlab.remat.block import BlockCost
 from rematlab.remat.offload import MIN_BYTES, Offloader
 from rematlab.remat.ops import OptionRun
@@ -42,8 +42,7 @@ def link_for(device: torch.device, target: Target | None) -> Link:
         return target.link
     props = torch.cuda.get_device_properties(device)
     sheet = profile_of_device(props.name, props.total_memory)
-    return (sheet or Target("cuda", "cuda", props.total_memory, {"float32": 1.0}, 1.0,
-                            (0.0, 0.0, 0.0))).link
+    return sheet.link if sheet is not None else Link(*DEFAULT_LINK, HOST_MEMORY)
 
 
 def metered_offloads(layer: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
@@ -95,7 +94,7 @@ def metered_offload(layer: nn.Module, run: Callable[[torch.Tensor], torch.Tensor
     def moved(x: torch.Tensor) -> torch.Tensor:
         with offloader.layer(0, (x, *others), cap):
             out = run(x)
-        offloader.forwarded(1, out)  # the next layer's forward has ended: copies done
+        offloader.forwarded(1)  # the next layer's forward has ended: copies done
         return out
 
     with preserved(layer):
