@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.op_level_autocast import TRANSFORMERS, bf16_step
+from benchmarks.publish import publish
 from rematlab.cli.models import hf_model
 from rematlab.core.lora import add_lora
 from rematlab.core.units import format_bytes
@@ -169,10 +170,7 @@ def main() -> None:
         lines += bench(name, MODELS[name])
         print("\n".join(lines[-12:]), flush=True)
     lines.append(f"Wall time: {time.perf_counter() - started:.0f} s.")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

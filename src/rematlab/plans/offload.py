@@ -7,10 +7,9 @@ On a PCIe link a layer's forward hides only part of its activations' copies, so 
 options are what pays there; on a Grace Hopper link, all of it. "offload input" is the layer
 checkpointed with its input in host memory (transformers' `offload=True`, torchtune's
 offloading under activation checkpointing): it holds nothing on the device, so it lowers the
-floor. The solver takes it
-like an op-level option (a kept block holding less), so keep, recompute and offload are
-chosen together, per layer, against the whole step's peak. What the mechanism does decides
-the terms, each measured or derived here:
+floor. The solver takes each like an op-level option (a kept block holding less), so keep,
+recompute and offload are chosen together, per layer, against the whole step's peak. What the
+mechanism does decides the terms, each measured or derived here:
 
 - **Device bytes.** What the layer holds once its copies are done (`saved`) is metered on a
   run of the layer under the offloader (`rematlab.remat.offload_costs`), host buffers counted
@@ -162,4 +161,4 @@ def host_bytes(items: tuple[Item, ...], c: ChainCosts) -> int:
     """The host bytes a plan's offloaded blocks hold at once (all of them, at the end of the
     forward)."""
     return sum(c.option(it.block, it.option).host for it in items
-               if isinstance(it, Selective) and offloads(it.option))
+               if isinstance(it, Selective) and is_offload(it))
