@@ -174,6 +174,7 @@ def test_the_shipped_prices_are_dated_and_sourced_and_a_file_overrides_them(tmp_
         read_prices(path)
 
 
+@pytest.mark.slow  # 6 s: a fresh process prices the cards (make test keeps the CLI's errors)
 def test_the_cli_prints_the_ranked_table_and_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     args = ["rent", "--model", "hf:config.json", "--input-shape", "512", "--batch", "8",

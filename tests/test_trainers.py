@@ -79,6 +79,7 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+@pytest.mark.slow  # 8 s: two trainings (make test keeps the HF Trainer's plan and refusal)
 def test_hf_trainer_with_a_plan_trains_like_without_it_and_keeps_the_budget():
     from rematlab.integrations.transformers import plan_trainer, trainer_step
 
