@@ -47,7 +47,7 @@ import numpy as np
 from rematlab.core.units import infeasible
 from rematlab.exceptions import ConfigError
 from rematlab.plans.offload import without_offload
-from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective
+from rematlab.plans.plan import ChainCosts, Item, Plan, Segment, Selective, offloads
 from rematlab.plans.simulate import items_cost, keep_terms, need
 
 WORK = 100_000_000  # table cells a solve may read: about a second of numpy on this machine
@@ -236,9 +236,8 @@ def solve(costs: ChainCosts, levels: int | None = None, unit: int | None = None,
     2n+2 times along a plan, so the grid gets that many levels of headroom above the full
     need: keeping everything stays feasible.
     """
-    plain = without_offload(costs)
-    fallback = (solve(plain, levels, unit, layers)
-                if plain.options != costs.options else None)
+    offloading = any(offloads(o.name) for i in range(costs.n) for o in costs.menu(i))
+    fallback = solve(without_offload(costs), levels, unit, layers) if offloading else None
     n = costs.n
     ids, lengths = intern_subchains(costs, layers)
     n_ids = lengths.size
