@@ -68,9 +68,10 @@ def test_the_device_and_host_bytes_are_what_a_fake_run_meters(planned):
     its simulated peak as the plain plan's does (the gap is what neither models), give or
     take 3 % of the peak (measured on this model at 6 layers: every option's plan from 23 %
     over-predicted, the prefetch counted as the previous layer's largest option, to 2.5 %
-    under, offloading every saved tensor: an input-sized tensor per offloaded layer that the model's own forward
-    keeps and the layer metered alone does not; `choose` holds a plan to this replay, not
-    to the simulation); and the host bytes it pins are the simulator's to the byte."""
+    under, offloading every saved tensor: an input-sized tensor per offloaded layer that the
+    model's own forward keeps and the layer metered alone does not; `choose` holds a plan to
+    this replay, not to the simulation); and the host bytes it pins are the simulator's to
+    the byte."""
     p = planned[True]
     n = p.costs.n
     plain = Plan(n, tuple(range(n)))
