@@ -221,11 +221,8 @@ class LayerRemat:
         if name == OFFLOAD_INPUT:  # checkpointed: the input it saves moves, the rest stays
             hidden = first_float((args, kwargs))
             kept = [t for t in kept if t is not hidden]
-        with (self.offloader.layer(index, tuple(kept), cap) if name is not None
-              else contextlib.nullcontext()):
-            out = forward()
-        self.offloader.forwarded(index)
-        return out
+        with self.offloader.running(index, tuple(kept), cap, move=name is not None):
+            return forward()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

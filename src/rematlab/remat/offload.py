@@ -31,8 +31,8 @@ and torchtune's `OffloadActivations` are, with what their users were bitten by m
   bookkeeping are tested there), synchronously, and save nothing; planning on a CPU offers no
   offload for that reason.
 
-`Offloader.layer(i)` is the context a layer's forward runs in, `Offloader.forwarded(i)` what
-every layer calls as its forward ends; `Offloader.stats` counts what moved (tensors,
+`Offloader.running(i)` is the context every layer's forward runs in (`layer(i)` moves, then
+`forwarded(i)` as the forward ends); `Offloader.stats` counts what moved (tensors,
 device bytes freed, host bytes held at the peak). A `meter` (the live-storage tracker) is
 told which storages are host buffers, so that it counts device and host bytes apart.
 """
@@ -205,6 +205,16 @@ class Offloader:
             yield
         self._settle(wait=False)
 
+    @contextlib.contextmanager
+    def running(self, index: int, inputs: tuple = (), cap: int | None = None,
+                move: bool = True) -> Iterator[None]:
+        """Layer `index`'s forward under this offloader: its saved tensors moved (`layer`)
+        when `move`, and, once it ends, `forwarded` in any case. How a model's layers run
+        (`OffloadedLayers`, a plan's `LayerRemat`)."""
+        with self.layer(index, inputs, cap) if move else contextlib.nullcontext():
+            yield
+        self.forwarded(index)
+
     def forwarded(self, index: int) -> None:
         """Layer `index`'s forward has ended (whether its tensors moved or not): the copies
         of earlier layers are waited for, and their device tensors dropped."""
@@ -368,23 +378,21 @@ class OffloadedLayers:
             self._handles.append(layer.register_forward_pre_hook(
                 lambda _m, args, kwargs, i=i: self._enter(i, args, kwargs), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(
-                lambda *_, i=i: self._leave(i), always_call=True))
+                lambda *_: self._leave(), always_call=True))
 
     def _enter(self, index: int, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or not self._active():
             self._open.append(None)  # nothing is saved, or not under the plan: nothing moves
             return
         stack = contextlib.ExitStack()
-        if index in self.moved:
-            stack.enter_context(self.offloader.layer(index, (*args, *kwargs.values())))
+        stack.enter_context(self.offloader.running(index, (*args, *kwargs.values()),
+                                                   move=index in self.moved))
         self._open.append(stack)
 
-    def _leave(self, index: int) -> None:
+    def _leave(self) -> None:
         stack = self._open.pop()
-        if stack is None:
-            return
-        stack.close()
-        self.offloader.forwarded(index)
+        if stack is not None:
+            stack.close()
 
     def remove(self) -> None:
         for handle in self._handles:
