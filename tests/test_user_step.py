@@ -221,20 +221,30 @@ def test_the_optimizers_implementation_and_the_zero_grad_are_priced():
     assert zeroed.floor_budget() > freed.floor_budget()  # the zeros were measured
 
 
-def test_a_loop_that_drops_the_output_before_backward_is_priced_so():
-    """HF Trainer's and Lightning's loops free the logits before backward: with a large
-    vocabulary the step holds less, the plan uses that, and the loop keeps its budget."""
-
+def test_how_long_the_loop_holds_the_output_is_priced_as_it_runs():
+    """`Step.output_alive`: True holds the logits to the step's end, False through their
+    backward (a loop with `del out` after `loss.backward()`, as `../shared/repro` runs),
+    "forward" drops them before backward (HF Trainer's and Lightning's loss functions return
+    the loss alone). With a large vocabulary each reading prices what its loop holds, and the
+    plan keeps its budget in that loop; reading False as "forward" would not."""
     torch.manual_seed(0)
     model, batch = gpt2(batch=4, seq=64, layers=6, width=64)
     model.resize_token_embeddings(4096)
     model.train()
-    kept = rematlab.prepare(model, batch, step=rematlab.Step(precision="bf16"))
+    adamw = {"optimizer": torch.optim.AdamW, "optimizer_kwargs": {"lr": 1e-4}}
+    kept, after = (rematlab.prepare(model, batch, step=rematlab.Step(
+        precision="bf16", output_alive=alive, **adamw)) for alive in (True, False))
     dropped = rematlab.prepare(model, batch, step=rematlab.Step(precision="bf16",
-                                                                output_alive=False))
+                                                                output_alive="forward"))
     logits = 4 * 64 * 4096 * 2  # bf16, what the loss's upcast leaves unsaved
-    assert kept.full - dropped.full >= 0.9 * logits
+    assert kept.full >= after.full
+    assert after.full - dropped.full >= 0.9 * logits
     budget = (dropped.floor_budget() + dropped.full) // 2
     planned = rematlab.apply(model, dropped.choose(budget))
     peak = loss_loop_peak(model, batch, lambda: planned(**batch).loss)  # Trainer-like
     assert 0.9 * budget <= peak <= budget
+    floor = after.floor_budget()
+    peak = user_loop_peak(rematlab.apply(model, after.choose(floor)), batch, precision="bf16",
+                          optimizer=ADAMW, meter="live")  # `del out` after backward
+    assert peak <= floor
+    assert peak > floor - logits  # the logits are in this loop's peak

@@ -22,12 +22,16 @@ HF's `TrainingArguments` describe the same loop):
   `optimizer_kwargs` (`lr`, `foreach`, `fused`, ...).
 - `set_to_none`: `zero_grad(set_to_none=...)`; with False the gradients are alive (zeros)
   before the first forward, as under accumulation.
-- `output_alive`: whether the loop holds the model's output until the step ends (rematlab's
-  own loop and most hand-written ones: `out = model(x)` lives until the next iteration) or
-  drops it before backward, as HF Trainer and Lightning do (`compute_loss` and
-  `training_step` return the loss alone); a language model's logits are then not part of
-  the backward's peak. (A model run as a chain keeps counting its output, a classifier's
-  scores: small, and on the safe side.)
+- `output_alive`: how long the loop holds the model's output. `True`: until the step ends
+  (rematlab's own loop and most hand-written ones: `out = model(x)` lives until the next
+  iteration, through the optimizer step). `False`: not to the step's end, which does not
+  say whether before or after backward, so it is priced alive through its own backward and
+  dropped before the optimizer step (`del out` after `loss.backward()`); reading it as
+  "dropped before backward" put a floor plan 1.1 % over its budget in such a loop.
+  `"forward"`: dropped before backward, as HF Trainer and Lightning do (`compute_loss` and
+  `training_step` return the loss alone; the integrations say so); a language model's
+  logits are then not part of the backward's peak. (A model run as a chain keeps counting
+  its output, a classifier's scores: small, and on the safe side.)
 - `loss_fn(output, batch)`, or the user's whole forward as `fn(model, batch) -> loss`, for
   anything else their step does (rematlab runs it under its probes).
 - `layout`: how the step is spread over ranks, `FSDP(...)` or `DDP(...)`
@@ -69,7 +73,7 @@ class Step:
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     set_to_none: bool = True
     scaler: bool | None = None  # None: a GradScaler exactly when precision is fp16
-    output_alive: bool = True
+    output_alive: bool | str = True  # True, False or "forward" (module docstring)
     loss_fn: LossFn | None = None
     fn: StepFn | None = None
     layout: FSDP | DDP | None = None
@@ -85,9 +89,12 @@ class Step:
                                           and 0 < self.clip < float("inf")):
             raise ConfigError(f"clip (the max gradient norm) must be a positive number, got "
                               f"{self.clip!r}")
-        for name in ("set_to_none", "output_alive"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.set_to_none, bool):
+            raise ConfigError(f"set_to_none must be True or False, got {self.set_to_none!r}")
+        if not (isinstance(self.output_alive, bool) or self.output_alive == "forward"):
+            raise ConfigError(f"output_alive must be True (until the step ends), False (until "
+                              f"its backward has run) or 'forward' (dropped before backward), "
+                              f"got {self.output_alive!r}"[:200])
         if self.scaler is not None and not isinstance(self.scaler, bool):
             raise ConfigError(f"scaler must be True, False or None (a GradScaler exactly with "
                               f"fp16), got {self.scaler!r}")
@@ -129,6 +136,16 @@ class Step:
     def scaled(self) -> bool:
         """Whether the loss goes through a `torch.amp.GradScaler`."""
         return self.autocast == torch.float16 if self.scaler is None else self.scaler
+
+    @property
+    def output_in_backward(self) -> bool:
+        """Whether the model's output is alive through its micro-batch's backward."""
+        return self.output_alive != "forward"
+
+    @property
+    def output_to_end(self) -> bool:
+        """Whether the last micro-batch's output is alive through the optimizer step."""
+        return self.output_alive is True
 
     @property
     def grads_resident(self) -> bool:
@@ -187,9 +204,9 @@ class Step:
 
     def micro_batch(self, run: Callable, batch: Batch) -> None:
         """One micro-batch's forward and backward (`for_backward`'s loss), the output alive
-        through backward unless the loop drops it (`output_alive`)."""
+        through backward unless the loop drops it before (`output_alive="forward"`)."""
         out, loss = self.forward(run, batch)
-        if not self.output_alive:
+        if not self.output_in_backward:
             out = None
         self.for_backward(loss).backward()
         del out, loss
@@ -216,8 +233,7 @@ class Step:
         timed: gradients zeroed as the loop does, every micro-batch in the autocast region
         with its loss divided and scaled, backward, then unscaling, clipping and the
         optimizer's step (a GradScaler's update included), the last micro-batch's output
-        alive until the step ends unless the loop drops it (`output_alive`). With `clock`,
-        each phase's
+        alive as long as the loop holds it (`output_alive`). With `clock`, each phase's
         seconds (`steps.PHASES`) summed over the micro-batches, and the `step`'s;
         `around(phase)` wraps each phase in a context (a memory probe's phase marker);
         `readable=False` for fake tensors (`update`)."""
@@ -240,10 +256,12 @@ class Step:
         for _ in range(self.micro_batches):
             del out  # the previous micro-batch's output, before the next forward
             out, loss = timed("forward", lambda: self.forward(run, batch))
-            if not self.output_alive:
+            if not self.output_in_backward:
                 out = None
             timed("backward", self.for_backward(loss, scaler).backward)
             del loss
+            if not self.output_to_end:
+                out = None
         if optimizer is not None:
             timed("optimizer", lambda: self.update(model.parameters(), optimizer, scaler,
                                                    readable))
@@ -304,7 +322,8 @@ class Step:
         parts.append(str(d["optimizer"]).rsplit(".", 1)[-1] if self.optimizer else
                      "no optimizer")
         parts += ["gradients zeroed, not freed"] if not self.set_to_none else []
-        parts += ["output dropped before backward"] if not self.output_alive else []
+        parts += ["output dropped before backward"] if not self.output_in_backward else \
+            ["output dropped after backward"] if not self.output_to_end else []
         parts += ["the user's step function"] if self.fn is not None else []
         parts += [self.layout.describe()] if self.layout is not None else []
         return ", ".join(parts)

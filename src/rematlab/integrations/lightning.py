@@ -50,7 +50,7 @@ def trainer_step(trainer: Any, loss_fn: LossFn | None = None) -> Step:
     cls, kwargs = optimizer_spec(opt) if opt is not None else (None, {})
     return Step(precision=str(trainer.precision), micro_batches=trainer.accumulate_grad_batches,
                 clip=float(clip) if clip else None, optimizer=cls, optimizer_kwargs=kwargs,
-                loss_fn=loss_fn, output_alive=False)  # training_step returns the loss
+                loss_fn=loss_fn, output_alive="forward")  # training_step returns the loss
 
 
 def RematCallback(budget: str | int = "auto", attr: str = "model",

@@ -40,7 +40,7 @@ def trainer_step(trainer: Any) -> Step:
                 clip=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
                 else None,
                 optimizer=opt_cls, optimizer_kwargs=opt_kwargs,
-                output_alive=False)  # compute_loss returns the loss alone
+                output_alive="forward")  # compute_loss returns the loss alone
 
 
 def plan_trainer(trainer: Any, budget: str | int = "auto", **kwargs: Any) -> Plan:

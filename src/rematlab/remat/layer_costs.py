@@ -149,9 +149,9 @@ def _costs(model: nn.Module, batch: Batch, profiled: _Profiled, how: Profiling
         base=params + state + inputs + outer.output + outer.loss
         + (grads if step.grads_resident else 0),
         state=state,
-        # the output and the loss are still alive in the user's loop
-        optimizer_peak=params + grads + state + transient + inputs + outer.output
-        + outer.loss,
+        # the loss, and the output where the loop holds it to the step's end, are still alive
+        optimizer_peak=params + grads + state + transient + inputs + outer.loss
+        + (outer.output if step.output_to_end else 0),
         **(_ranges(rows, outer) if target is not None else {}),
     )
     if not how.offload:

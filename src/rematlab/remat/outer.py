@@ -127,8 +127,9 @@ class _Probe:
 
 @dataclass(frozen=True)
 class _Ends:
-    """What the tracked step left at its end: the output's bytes the loop keeps alive, the
-    loss's own bytes, and whether the last layer's output was still alive after forward."""
+    """What the tracked step left at its end: the output's bytes the loop keeps alive
+    through backward (`Step.output_in_backward`), the loss's own bytes, and whether the last
+    layer's output was still alive after forward."""
 
     output: int
     loss: int
@@ -147,9 +148,9 @@ def _tracked_step(plain: nn.Module, batch: Batch, step: Step, probe: _Probe,
         alive = probe.y_ref is not None and probe.y_ref() is not None
         loss_bytes = 0 if any(t is loss for t in tensors(out)) else rounded(
             loss.element_size() * loss.numel(), tracker.unit)  # the model's own?
-        # a loop that keeps the output until the step ends (`Step.output_alive`)
-        output = batch_bytes(out) if step.output_alive else 0
-        if not step.output_alive:
+        # a loop that keeps the output through backward (`Step.output_alive`)
+        output = batch_bytes(out) if step.output_in_backward else 0
+        if not step.output_in_backward:
             out = None  # dropped before backward: what autograd saved of it stays
         probe.mark(_Event.BACKWARD_START)
         loss.backward()
@@ -162,10 +163,10 @@ class OuterCost:
     """The costs of what runs before the first layer and after the last (`outer_costs`):
     the first and last pseudo-blocks of a layer chain (`remat.layer_costs`), bytes and
     seconds. `layer_live`: the live bytes as each layer is entered and after the last;
-    `output`, `loss`: the model's output and the loss, alive until the step ends;
-    `before_*` / `after_*`: the pseudo-blocks' saved bytes, transient peaks and gradients,
-    as `plans.plan.ChainCosts` names them; `step_time`: the step with every layer kept, and
-    predicted, its (fastest, slowest) range."""
+    `output`, `loss`: the model's output (where the loop holds it) and the loss, alive
+    through backward; `before_*` / `after_*`: the pseudo-blocks' saved bytes, transient
+    peaks and gradients, as `plans.plan.ChainCosts` names them; `step_time`: the step with
+    every layer kept, and predicted, its (fastest, slowest) range."""
 
     layer_live: list[int]
     output: int
