@@ -2,6 +2,7 @@
 `CUDACachingAllocator.cpp`'s rules, and a predicted GPU plan is held to its budget by the
 reserved peak of its whole step replayed through them (issue 40)."""
 
+import pytest
 import torch
 
 import rematlab
@@ -69,3 +70,30 @@ def test_a_predicted_gpu_plan_keeps_its_reserved_peak_within_the_budget():
     chosen = planning.choose(tight)
     assert chosen.reserved_peak <= tight and chosen.describe() != full.describe()
     assert planning.choose(floor).reserved_peak <= floor
+
+
+@pytest.mark.parametrize("step", [
+    rematlab.Step(precision="bf16", micro_batches=2, clip=1.0, optimizer=torch.optim.AdamW),
+    rematlab.Step(output_alive="forward")], ids=["bf16-accumulate-adamw", "fp32-momentum"])
+def test_the_second_steps_replayed_events_are_a_second_step_run(step, monkeypatch):
+    """`reserve._again`: the second fake step's forwards and backwards are the first's
+    events renamed, and only its optimizer phase runs; replayed on any card, the trace is
+    exactly the one of a second step run whole (events, peaks, fits)."""
+    from rematlab.planning import reserve
+    from rematlab.preflight.targets import resolve_target
+
+    model, batch = realzoo.gpt2(batch=2, seq=64, layers=3, width=64)
+    planning = rematlab.prepare(model.train(), batch, predict=True, target="h100-80gb",
+                                step=step, verify=False)
+    plan = planning.choose(planning.floor_budget())
+    cards = [resolve_target(c, "cuda") for c in ("h100-80gb", "rtx4090")]
+    made = []
+    again = reserve._again
+    monkeypatch.setattr(reserve, "_again", lambda *args: made.append(again(*args)) or made[-1])
+    renamed = reserve._trace(model, planning.structure, batch, step, plan)
+    assert made and made[0] is not None  # the second step was replayed, not run
+    monkeypatch.setattr(reserve, "_again", lambda *args: None)  # the second step run whole
+    run = reserve._trace(model, planning.structure, batch, step, plan)
+    assert (len(renamed.events), renamed.second_at) == (len(run.events), run.second_at)
+    assert [e[1] for e in renamed.events] == [e[1] for e in run.events]  # sizes, in order
+    assert [renamed.replayed(c) for c in cards] == [run.replayed(c) for c in cards]

@@ -5,15 +5,22 @@ hold, segments and fragmentation included — is stated beside the allocated one
 
 The user's whole optimizer step runs twice, as a training loop does: the first creates the
 optimizer's state (and leaves the allocator's cache as a real first step leaves it), the
-second is the one reported. The BLAS workspaces of the two threads' handles are allocated
-first (`Target.blas_resident`), and the attention kernels' scratch is allocated and freed
-inside their ops (`rematlab.preflight.kernels`).
+second is the one reported. The second step's forward and backward allocate and free what
+the first's did, in the same order, so where nothing of the first outlives it but the
+gradients (`_again`), their events are replayed under new names rather than run again, and
+only the optimizer phase runs: half the fake step's cost. The BLAS workspaces of the two
+threads' handles are allocated first (`Target.blas_resident`), and the attention kernels'
+scratch is allocated and freed inside their ops (`rematlab.preflight.kernels`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from rematlab.core.batch import Batch, one_tensor, tensors
@@ -124,9 +131,76 @@ def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Pl
         tracker.track([*planned.parameters(), *planned.buffers(), *tensors(fake)])
         optimizer = step.make_optimizer(planned.parameters(), cuda=True)
         blas_at = len(trace.events)
+        phases = _Phases(trace.events)
         with OpRecorder(KernelScratch(), tracker):
-            step.train_step(planned, fake, optimizer=optimizer, readable=False)
+            step.train_step(planned, fake, optimizer=optimizer, readable=False,
+                            around=phases.around)
             second_at = len(trace.events)
-            step.train_step(planned, fake, optimizer=optimizer, readable=False)
+            again = (_again(trace, phases, blas_at, optimizer) if optimizer is not None
+                     and offloader is None and step.set_to_none and not step.scaled else None)
+            if again is None:
+                step.train_step(planned, fake, optimizer=optimizer, readable=False)
+            else:
+                trace.events.extend(again[0])
+                step.update(planned.parameters(), optimizer, None, readable=False)
+                trace.events.extend(again[1])
     tracker.listener = None  # the frees of the run's tensors after the step are not its
     return _Trace(trace.events, blas_at, second_at, tracker.host_peak)
+
+
+class _Phases:
+    """Where each phase of a step (`Step.train_step`'s `around`) begins and ends in a
+    list of events."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+        self.spans: dict[str, list[tuple[int, int]]] = {}
+
+    @contextlib.contextmanager
+    def around(self, name: str) -> Iterator[None]:
+        start = len(self.events)
+        yield
+        self.spans.setdefault(name, []).append((start, len(self.events)))
+
+
+Events = list[tuple[object, int | None]]
+
+
+def _again(trace: _Trace, phases: _Phases, start: int, optimizer: torch.optim.Optimizer
+           ) -> tuple[Events, Events] | None:
+    """The second step's events up to its optimizer phase, and after it, from the first
+    step's (module docstring): `zero_grad` frees the first step's gradients, then the
+    forwards and backwards allocate and free what they did, each allocation under a new
+    name. None where the first step's events cannot stand for the second's: something
+    before its first forward, something older freed inside it, or something other than
+    the gradients outliving it (a cache made on the first forward)."""
+    events = trace.events
+    first = phases.spans["forward"][0][0]
+    update, after = phases.spans["optimizer"][0]
+    body, tail = events[first:update], events[after:]
+    if first != start:
+        return None
+    alive: dict[object, int] = {}
+    for key, nbytes in body + tail:
+        if nbytes is not None:
+            alive[key] = nbytes
+        elif alive.pop(key, None) is None:
+            return None
+    grads = list(dict.fromkeys(id(p.grad.untyped_storage()) for group in
+                               optimizer.param_groups for p in group["params"]
+                               if p.grad is not None))
+    if set(alive) != set(grads):
+        return None
+    names: dict[object, object] = {}
+    made = itertools.count()
+
+    def renamed(part: Events) -> Events:
+        out: Events = []
+        for key, nbytes in part:
+            if nbytes is None:
+                out.append((names.pop(key, key), None))
+            else:
+                names[key] = ("again", next(made))
+                out.append((names[key], nbytes))
+        return out
+    return [(key, None) for key in grads] + renamed(body), renamed(tail)

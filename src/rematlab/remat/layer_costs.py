@@ -51,16 +51,19 @@ def profile_layers(model: nn.Module, batch: Batch, layers: list[nn.Module],
     how = how or Profiling()
     target = how.target
     if target is None:
-        return _costs(model, batch, _profiled(model, batch, layers, how), how)
-    session = FakeSession(cuda=target.kind == "cuda")
+        return _costs(_profiled(model, batch, layers, how), _Sizes.of(model, batch, how), how)
     names = {id(m): n for n, m in model.named_modules()}
-    twin = session.model(model)
-    with session.active():
-        fakes = session.batch(batch)
-        found = shared(_shared_key(model, batch, layers, how, names), lambda: _profiled(
-            twin, fakes, [twin.get_submodule(names[id(m)]) for m in layers],
-            replace(how, repeats=0, compile=False)))
-        return _costs(twin, fakes, found, how)
+
+    def fake_run() -> tuple[_Profiled, _Sizes]:  # the twin made only when the run is
+        session = FakeSession(cuda=target.kind == "cuda")
+        twin = session.model(model)
+        with session.active():
+            fakes = session.batch(batch)
+            found = _profiled(twin, fakes, [twin.get_submodule(names[id(m)]) for m in layers],
+                              replace(how, repeats=0, compile=False))
+            return found, _Sizes.of(twin, fakes, how)
+    found, sizes = shared(_shared_key(model, batch, layers, how, names), fake_run)
+    return _costs(found, sizes, how)
 
 
 def _shared_key(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Profiling,
@@ -111,21 +114,42 @@ def _profiled(model: nn.Module, batch: Batch, layers: list[nn.Module], how: Prof
                                             how.unit))
 
 
-def _costs(model: nn.Module, batch: Batch, profiled: _Profiled, how: Profiling
-           ) -> ChainCosts:
+@dataclass(frozen=True)
+class _Sizes:
+    """What the chain's costs take of the model and batch beyond the profile: the optimizer
+    state and its phase's transient peak, the parameters' (and buffers') bytes, the
+    gradients', the batch's, and the batch's device. A fake run keeps them with its
+    profile, so a card priced from a shared run needs no fake twin of its own."""
+
+    state: int
+    transient: int
+    params: int
+    grads: int
+    inputs: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: nn.Module, batch: Batch, how: Profiling) -> _Sizes:
+        unit = how.unit
+        state, transient = optimizer_memory(list(model.parameters()), how.step, unit,
+                                            cuda_target(how.target))
+        return cls(state, transient,
+                   params=sum(rounded(t.numel() * t.element_size(), unit)
+                              for t in [*model.parameters(), *model.buffers()]),
+                   grads=sum(rounded(p.numel() * p.element_size(), unit)
+                             for p in model.parameters() if p.requires_grad),
+                   inputs=batch_bytes(batch, unit), device=next(tensors(batch)).device)
+
+
+def _costs(profiled: _Profiled, sizes: _Sizes, how: Profiling) -> ChainCosts:
     """The chain's costs from what the profile ran, priced on `how.target`."""
-    unit, target, step = how.unit, how.target, how.step
+    target, step = how.target, how.step
     rows, outer = profiled.priced(target)
     # the step's time outside the layers: what no plan changes, so predicted times are steps
     outside = max(0.0, outer.step_time - sum(r.fwd_time + r.bwd_time for r in rows))
     x = [0, *(r.x for r in rows), profiled.out_bytes, 0]
-    state, transient = optimizer_memory(list(model.parameters()), step, unit,
-                                        cuda_target(target))
-    params = sum(rounded(t.numel() * t.element_size(), unit)
-                 for t in [*model.parameters(), *model.buffers()])
-    grads = sum(rounded(p.numel() * p.element_size(), unit)
-                for p in model.parameters() if p.requires_grad)
-    inputs = batch_bytes(batch, unit)
+    state, transient, params, grads, inputs = (sizes.state, sizes.transient, sizes.params,
+                                               sizes.grads, sizes.inputs)
     _add_held(rows, x, outer.layer_live)
 
     def column(key: str, first: Any, last: Any) -> list:
@@ -156,8 +180,7 @@ def _costs(model: nn.Module, batch: Batch, profiled: _Profiled, how: Profiling
     )
     if not how.offload:
         return costs
-    device = next(tensors(batch)).device
-    return with_offload(costs, column("offload", [], []), link_for(device, target))
+    return with_offload(costs, column("offload", [], []), link_for(sizes.device, target))
 
 
 def _add_held(rows: list[BlockCost], x: list[int], live: list[int]) -> None:
