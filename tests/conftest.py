@@ -3,7 +3,12 @@
 import shutil
 
 import pytest
+import skops.io  # noqa: F401 - first, see below
 import torch
+
+# skops builds its trusted-type table on import by searching every loaded module for each
+# numpy ufunc; once transformers' lazy modules are loaded (as they are after the first model
+# test) that search takes 10 s in this process, before them under a second
 
 # MLP-3 and LeNet-5, batches 4 and 8, three strategies, two repeats: 12 configurations, the
 # smallest grid the predictors (10 configurations) and the statistics can run on

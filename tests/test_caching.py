@@ -73,8 +73,10 @@ def test_a_predicted_gpu_plan_keeps_its_reserved_peak_within_the_budget():
 
 
 @pytest.mark.parametrize("step", [
-    rematlab.Step(precision="bf16", micro_batches=2, clip=1.0, optimizer=torch.optim.AdamW),
-    rematlab.Step(output_alive="forward")], ids=["bf16-accumulate-adamw", "fp32-momentum"])
+    pytest.param(rematlab.Step(precision="bf16", micro_batches=2, clip=1.0,
+                               optimizer=torch.optim.AdamW), id="bf16-accumulate-adamw"),
+    pytest.param(rematlab.Step(output_alive="forward"), id="fp32-momentum",
+                 marks=pytest.mark.slow)])
 def test_the_second_steps_replayed_events_are_a_second_step_run(step, monkeypatch):
     """`reserve._again`: the second fake step's forwards and backwards are the first's
     events renamed, and only its optimizer phase runs; replayed on any card, the trace is

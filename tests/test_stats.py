@@ -3,7 +3,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from rematlab.study.inference import Settings, hodges_lehmann
+from rematlab.study.inference import Settings, hodges_lehmann, holm
 from rematlab.study.stats import analyze
 from tests import synthetic
 
@@ -148,3 +148,14 @@ def test_the_claims_are_checked_on_each_device_apart():
     verdicts = first.groupby("device")["verdict"].agg(set).to_dict()
     assert verdicts == {"NVIDIA H200": {"confirmed"}, "AMD Instinct MI300X": {"not confirmed"}}
     assert report.blocks == 24  # paired within each card, never across
+
+
+def test_holm_is_statsmodels_holm():
+    """`holm` against statsmodels' own, on p-values with ties, NaN, ones and a single test."""
+    from statsmodels.stats.multitest import multipletests
+
+    rng = np.random.default_rng(0)
+    cases = [rng.uniform(size=n) for n in (1, 2, 7, 30)]
+    cases += [np.array([0.01, 0.2, np.nan, 0.01, 1.0, 0.04]), np.array([0.5, 0.5, 0.5])]
+    for p in cases:
+        np.testing.assert_array_equal(holm(p), multipletests(p, method="holm")[1])

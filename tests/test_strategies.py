@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -34,6 +36,14 @@ def _setup(name: str, dtype: torch.dtype, batch: int = 4):
     return model, x, y
 
 
+@functools.cache
+def _plain(name: str, dtype: torch.dtype, seed: int):
+    """The model, its batch and its plain gradients, made once for every strategy (`apply`
+    wraps the model and shares its parameters; each `_grads` starts from none)."""
+    model, x, y = _setup(name, dtype)
+    return model, x, y, _grads(model, x, y, seed)
+
+
 def _apply(model, strategy, x):
     if strategy == "nested":
         return rematlab.apply(model, _nested_plan(len(model)))
@@ -43,8 +53,7 @@ def _apply(model, strategy, x):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", MODELS)
 def test_gradients_equal_without_remat_in_float64(name, strategy):
-    model, x, y = _setup(name, torch.float64)
-    want = _grads(model, x, y, seed=1)
+    model, x, y, want = _plain(name, torch.float64, 1)
     remat = _apply(model, strategy, x)
     assert remat.plan.segments, "the strategy must checkpoint something on this chain"
     got = _grads(remat, x, y, seed=1)
@@ -55,8 +64,7 @@ def test_gradients_equal_without_remat_in_float64(name, strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", MODELS)
 def test_gradients_equal_without_remat_in_float32(name, strategy):
-    model, x, y = _setup(name, torch.float32)
-    want = _grads(model, x, y, seed=2)
+    model, x, y, want = _plain(name, torch.float32, 2)
     got = _grads(_apply(model, strategy, x), x, y, seed=2)
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-7)

@@ -94,3 +94,15 @@ def t_test_p(x: np.ndarray) -> float:
     return float(sps.ttest_1samp(x, 0.0).pvalue)
 
 
+
+def holm(p: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjusted p-values, exactly statsmodels' `multipletests(p,
+    method="holm")[1]` (NaN kept last, tested equal), without the `gc.collect()` its holm
+    branch runs on every call: 50-100 ms a call in a process that holds a model, which the
+    study pays per response and device."""
+    p = np.asarray(p, dtype=float)
+    order = np.argsort(p)
+    adjusted = np.minimum(1.0, np.maximum.accumulate(p[order] * np.arange(len(p), 0, -1)))
+    out = np.empty_like(adjusted)
+    out[order] = adjusted
+    return out

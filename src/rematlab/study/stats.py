@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
-from statsmodels.stats.multitest import multipletests
 
 from rematlab.exceptions import ConfigError
 from rematlab.study.guidelines import (
@@ -45,6 +44,7 @@ from rematlab.study.inference import (
     Settings,
     hl_interval,
     hodges_lehmann,
+    holm,
     signed_rank_p,
 )
 from rematlab.study.store import trusted_only
@@ -204,7 +204,7 @@ def _pairwise(ratios: pd.DataFrame, s: Settings) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     for name in RESPONSES:
         mask = out["response"] == name
-        out.loc[mask, "p_holm"] = multipletests(out.loc[mask, "p"], method="holm")[1]
+        out.loc[mask, "p_holm"] = holm(out.loc[mask, "p"])
     out["significant"] = out["p_holm"] < s.alpha
     return out
 
