@@ -30,6 +30,8 @@ import torch
 
 from rematlab.core.recipe import Step
 from rematlab.measurement import zoo
+from rematlab.planning.planner import Planning, prepare
+from rematlab.preflight.targets import Target
 from tests import realzoo
 
 FORMAT = 1
@@ -66,6 +68,19 @@ def build(name: str, kwargs: dict) -> tuple[torch.nn.Module, object]:
     torch.manual_seed(0)
     model, batch = MODELS[name](**kwargs)
     return model.train(), batch
+
+
+_PLANNED: dict[tuple, Planning] = {}
+
+
+def planned(name: str, kwargs: dict, target: Target) -> Planning:
+    """Pre-flight of the fact model `name` at `kwargs` for `target` under the facts' step,
+    made once per session: the replay of the facts and their bands read the same one."""
+    key = (name, json.dumps(kwargs, sort_keys=True), repr(target))
+    if key not in _PLANNED:
+        built, batch = build(name, kwargs)
+        _PLANNED[key] = prepare(built, batch, predict=True, target=target, step=step())
+    return _PLANNED[key]
 
 
 def load(path: Path) -> dict:

@@ -189,8 +189,7 @@ def fact_observations(models: frozenset[str] | None = None) -> list[Observation]
         for name, kwargs in facts["models"].items():
             if sheet is None or (models is not None and name not in models):
                 continue
-            built, batch = gpufacts.build(name, kwargs)
-            planning = prepare(built, batch, predict=True, target=sheet, step=gpufacts.step())
+            planning = gpufacts.planned(name, kwargs, sheet)
             for fact in (r for r in facts["plans"] if r["model"] == name):
                 plan = parse_plan(fact["plan"], planning.costs.n)
                 out.extend(Observation(f"{path.parent.name} {name} `{fact['plan']}` {what}",

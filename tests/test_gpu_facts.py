@@ -58,10 +58,9 @@ def test_preflight_matches_the_gpus_measured_peaks(path, model):
     profile = facts["card"]["profile"]
     if profile not in PROFILES:
         pytest.skip(f"facts of {facts['card']['name']}: no data-sheet profile to replay")
-    built, batch = gpufacts.build(model, facts["models"][model])
     rows = [r for r in facts["plans"] if r["model"] == model]
     for name, target in card_targets(facts).items():
-        planning = prepare(built, batch, predict=True, target=target, step=gpufacts.step())
+        planning = gpufacts.planned(model, facts["models"][model], target)
         for row in rows:
             plan = parse_plan(row["plan"], planning.costs.n)
             allocated = simulate(plan, planning.costs)[0] / row["allocated"] - 1
