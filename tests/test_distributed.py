@@ -12,6 +12,7 @@ import torch
 
 import rematlab
 from rematlab import DDP, FSDP, ConfigError, Plan, Step
+from rematlab.distributed.engine import RankEngine
 from tests import clirun, ranks
 from tests.realzoo import gpt2
 
@@ -188,3 +189,27 @@ def test_a_planned_then_sharded_model_plans_again(tmp_path):
         assert result["layout"] == "fsdp"  # read back from the sharded model
         assert result["measured"] <= result["budget"] < result["top"]
         assert result["user"] <= result["budget"]  # FSDPMemTracker in the user's loop
+
+
+def test_a_fake_ranks_first_step_is_its_optimizer_phase(monkeypatch):
+    """`RankEngine._state_made`: on fakes the warm-up step is the optimizer phase alone, on
+    gradients shaped as backward leaves them; the rank's peak and its breakdown are exactly
+    those after a whole first step (bf16 autocast, clipping, AdamW, FSDP2 on 4 ranks)."""
+    model, batch = ranks.made("gpt2")
+    step = Step(precision="bf16", clip=1.0, optimizer=torch.optim.AdamW, layout=FSDP(4))
+
+    def rank_peak():
+        planning = rematlab.prepare(model, batch, predict=True, target="h100-80gb", step=step,
+                                    verify=False)
+        return planning.rank(planning.choose(planning.floor_budget()))
+
+    made = rank_peak()
+    metered = RankEngine._metered
+
+    def whole_first_step(self, planned, fakes, readable, buckets=None):
+        monkeypatch.setattr(RankEngine, "_state_made", lambda engine, m, opt: engine.step
+                            .train_step(m, fakes, optimizer=opt, readable=False))
+        return metered(self, planned, fakes, readable, buckets)
+
+    monkeypatch.setattr(RankEngine, "_metered", whole_first_step)
+    assert rank_peak() == made

@@ -122,8 +122,12 @@ class RankEngine:
             model.parameters(), cuda=self.session is not None and self.session.cuda)
         # warm-up: the first step makes the optimizer state; DDP's reducer rebuilds its
         # buckets in the order the gradients arrived at the second: the third is the
-        # steady step a user's loop repeats
-        for _ in range(2 if buckets is not None else 1):
+        # steady step a user's loop repeats. On fakes only the state matters (the meter
+        # counts live tensors, not an allocator's history), so the first step is its
+        # optimizer phase alone, on gradients shaped as backward leaves them
+        if self.session is not None:
+            self._state_made(model, optimizer)
+        for _ in range(0 if self.session is not None else 2 if buckets is not None else 1):
             self.step.train_step(model, batch, optimizer=optimizer, readable=readable)
         cuda = self.device_type == "cuda"
         if cuda:  # the allocator sees the buckets (resident since the reducer made them)
@@ -156,6 +160,22 @@ class RankEngine:
         if self.session is None and self.world_size > 1:
             peak = _largest(peak, "cuda" if cuda else "cpu")
         return RankPeak(peak, self.world_size, method, {**split, **extra})
+
+
+    def _state_made(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> None:
+        """A fake rank's first step as the next one sees it: every trainable parameter's
+        gradient (a shard like the parameter's under FSDP2) and the optimizer's state, made
+        by its update, left alive as a real first step leaves them."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        if optimizer is None:
+            return
+        scaler = self.step.make_scaler(torch.device("cpu"))
+        if scaler is not None:
+            scaler.scale(torch.ones(()))  # makes its scale, as a first step's loss does
+        self.step.update(trainable, optimizer, scaler, readable=False)
 
 
 def to_empty(model: nn.Module, device: str | torch.device, tied: bool) -> None:
