@@ -17,10 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rematlab.core.guard import HostLoad
 from rematlab.core.units import format_bytes
 from rematlab.exceptions import InfeasibleBudgetError
 from rematlab.plans.simulate import simulate
 from rematlab.preflight.band import WIDTHS, fit
+from rematlab.preflight.shared import shared_runs
 from tests import published
 
 
@@ -48,6 +50,11 @@ def _beside(row: dict, replay: published.Replay) -> str:
 
 
 def main() -> None:
+    with shared_runs():
+        _main()
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the Markdown page here")
     args = parser.parse_args()
@@ -62,9 +69,12 @@ def main() -> None:
              "| row | source | plan (the peer's own) | predicted | band's upper end | published "
              "| error | tokens/s/GPU predicted / published | error | rematlab's plan at that "
              "budget |", "|---|---|---|---|---|---|---|---|---|---|"]
-    replays = []
+    replays, replay_s, host = [], 0.0, HostLoad()
+    host.start()
     for row in published.rows(predictable=True):
+        begun = time.perf_counter()
         got = published.replay(row)
+        replay_s += time.perf_counter() - begun
         replays.append(got)
         memory = row["measured"].get("memory")
         source = data["sources"][row["source"]]
@@ -78,7 +88,12 @@ def main() -> None:
             f"| {published_peak} | {_pct(got.error)} "
             f"| {got.tokens_per_s:,.0f} / {_count(got.published_tokens_per_s)} "
             f"| {_pct(got.tokens_error)} | {_beside(row, got)} |")
-    lines += ["", "## Rows off a goal, and why", "",
+    load = host.stop()
+    lines += ["", f"Replaying the {len(replays)} predictable rows, as `tests/test_published.py` "
+              f"does on every CI run (one fake run per model, batch and step, "
+              f"`rematlab.preflight.shared`), took {replay_s:.1f} s here (other processes' "
+              f"load meanwhile: {'unknown' if load is None else f'{load:.0%}'}).",
+              "", "## Rows off a goal, and why", "",
               "Goals per row (`tests/test_published.py`): the point within 5 % of the "
               "published peak (3 % where every setting is known), the band's upper end never "
               "under it, tokens per second within 15 %. A row off a goal is listed with its "

@@ -84,7 +84,7 @@ def test_the_second_steps_replayed_events_are_a_second_step_run(step, monkeypatc
     from rematlab.planning import reserve
     from rematlab.preflight.targets import resolve_target
 
-    model, batch = realzoo.gpt2(batch=2, seq=64, layers=3, width=64)
+    model, batch = realzoo.gpt2(batch=2, seq=32, layers=3, width=64)
     planning = rematlab.prepare(model.train(), batch, predict=True, target="h100-80gb",
                                 step=step, verify=False)
     plan = planning.choose(planning.floor_budget())

@@ -195,7 +195,8 @@ def test_a_fake_ranks_first_step_is_its_optimizer_phase(monkeypatch):
     """`RankEngine._state_made`: on fakes the warm-up step is the optimizer phase alone, on
     gradients shaped as backward leaves them; the rank's peak and its breakdown are exactly
     those after a whole first step (bf16 autocast, clipping, AdamW, FSDP2 on 4 ranks)."""
-    model, batch = ranks.made("gpt2")
+    torch.manual_seed(0)
+    model, batch = gpt2(batch=2, seq=32, layers=3, width=64)
     step = Step(precision="bf16", clip=1.0, optimizer=torch.optim.AdamW, layout=FSDP(4))
 
     def rank_peak():

@@ -12,12 +12,21 @@ slow test refits them and fails when the shipped widths are not that fit."""
 import pytest
 
 from rematlab.preflight.band import WIDTHS, fit
+from rematlab.preflight.shared import shared_runs
 from tests import published
 from tests.published import KNOWN_GAPS
 
 POINT, POINT_KNOWN, TOKENS = 0.05, 0.03, 0.15
 SLOW = {"torchtitan-h100-t1-fsdp", "torchtitan-h100-t3-fsdp128",  # 18-21 s: a sharded step
         "torchtune-3b-packed"}  # 9 s: a 3B model at 16k tokens (the H200 rows stay)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_fake_run_per_setting():
+    """Rows of one model, batch and step (torchtitan's 8 and 128 cards) price one fake run,
+    as `rematlab rent` prices its cards (`rematlab.preflight.shared`)."""
+    with shared_runs():
+        yield
 
 
 def _bound(row: str, what: str, default: tuple[float, float]) -> tuple[float, float]:
