@@ -44,7 +44,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ class Step:
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     set_to_none: bool = True
     scaler: bool | None = None  # None: a GradScaler exactly when precision is fp16
-    output_alive: bool | str = True  # True, False or "forward" (module docstring)
+    output_alive: bool | Literal["forward"] = True  # module docstring
     loss_fn: LossFn | None = None
     fn: StepFn | None = None
     layout: FSDP | DDP | None = None

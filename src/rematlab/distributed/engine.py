@@ -161,7 +161,6 @@ class RankEngine:
             peak = _largest(peak, "cuda" if cuda else "cpu")
         return RankPeak(peak, self.world_size, method, {**split, **extra})
 
-
     def _state_made(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
                     ) -> None:
         """A fake rank's first step as the next one sees it: every trainable parameter's

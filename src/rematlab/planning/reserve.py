@@ -136,7 +136,7 @@ def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Pl
             step.train_step(planned, fake, optimizer=optimizer, readable=False,
                             around=phases.around)
             second_at = len(trace.events)
-            again = (_again(trace, phases, blas_at, optimizer) if optimizer is not None
+            again = (_again(phases, blas_at, optimizer) if optimizer is not None
                      and offloader is None and step.set_to_none and not step.scaled else None)
             if again is None:
                 step.train_step(planned, fake, optimizer=optimizer, readable=False)
@@ -148,11 +148,14 @@ def _trace(model: nn.Module, st: Structure, batch: Batch, step: Step, chosen: Pl
     return _Trace(trace.events, blas_at, second_at, tracker.host_peak)
 
 
+Events = list[tuple[object, int | None]]
+
+
 class _Phases:
     """Where each phase of a step (`Step.train_step`'s `around`) begins and ends in a
     list of events."""
 
-    def __init__(self, events: list) -> None:
+    def __init__(self, events: Events) -> None:
         self.events = events
         self.spans: dict[str, list[tuple[int, int]]] = {}
 
@@ -163,10 +166,7 @@ class _Phases:
         self.spans.setdefault(name, []).append((start, len(self.events)))
 
 
-Events = list[tuple[object, int | None]]
-
-
-def _again(trace: _Trace, phases: _Phases, start: int, optimizer: torch.optim.Optimizer
+def _again(phases: _Phases, start: int, optimizer: torch.optim.Optimizer
            ) -> tuple[Events, Events] | None:
     """The second step's events up to its optimizer phase, and after it, from the first
     step's (module docstring): `zero_grad` frees the first step's gradients, then the
@@ -174,7 +174,7 @@ def _again(trace: _Trace, phases: _Phases, start: int, optimizer: torch.optim.Op
     name. None where the first step's events cannot stand for the second's: something
     before its first forward, something older freed inside it, or something other than
     the gradients outliving it (a cache made on the first forward)."""
-    events = trace.events
+    events = phases.events
     first = phases.spans["forward"][0][0]
     update, after = phases.spans["optimizer"][0]
     body, tail = events[first:update], events[after:]
