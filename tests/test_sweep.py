@@ -218,6 +218,32 @@ def test_sigint_keeps_results_and_says_how_to_resume(tmp_path):
     assert status == [("interrupted",)]
 
 
+@pytest.mark.parametrize("during, kept", [("mark_stale_sweeps", 0), ("write_config", 1)])
+def test_ctrl_c_during_a_database_write_is_held_until_it_ends(tmp_path, monkeypatch, during,
+                                                               kept):
+    """A Ctrl-C that lands while the store is opened or a finished configuration's rows are
+    written (DuckDB would turn it into `Query interrupted`, drop the rows and end with a
+    traceback; CI hit it a second into a sweep) waits for the write: what was written is
+    kept, then the sweep stops as interrupted, its record closed."""
+    grid = load_grid(_grid(tmp_path, body='name = "one"\nbatches = [4]\nrepeats = 2\n'
+                           'strategies = ["none", "uniform:2"]\n[[models]]\nname = "mlp3"\n'))
+    db = tmp_path / "r.duckdb"
+    write = getattr(Store, during)
+
+    def ctrl_c_then_write(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, during, ctrl_c_then_write)
+    result = sweep(grid, db, remeasure=False)
+    assert result.interrupted and len(result) == kept
+    with Store(db) as store:
+        assert len(store.done()) == kept
+        status = store.con.execute("SELECT status FROM sweeps").fetchall()
+    assert status == [("interrupted",)] and len(load(db)) == 2 * kept
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
 def test_sigint_in_the_first_seconds_exits_130_with_the_resume_command(tmp_path, delay):

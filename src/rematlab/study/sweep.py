@@ -51,6 +51,7 @@ from rematlab.exceptions import ConfigError
 from rematlab.measurement.measure import failed_row, run_config
 from rematlab.measurement.spec import Spec, available, parse_device
 from rematlab.study.grid import Grid
+from rematlab.study.interrupts import Interrupts
 from rematlab.study.store import Store, config_id, harness_overhead
 
 ProgressFn = Callable[[Spec, str, int, int], None]  # spec, outcome, done, total
@@ -244,15 +245,17 @@ def sweep(
     specs = grid.expand()
     for device in grid.devices:  # a grid may name GPUs for a dry run; a run needs them here
         available(parse_device(device))
-    db = Path(db)
-    store = Store(db)
-    try:
-        run = _SweepRun(grid, specs, store, SweepResult(db=db, total=len(specs), skipped=0),
-                        progress)
-        run.go(grid_label or grid.name, backend, ray_address, remeasure)
-    finally:
-        store.close()
-    return run.result
+    db, interrupts = Path(db), Interrupts()
+    with interrupts.installed():  # held from here on, but while a configuration is measured
+        store = Store(db)
+        try:
+            result = SweepResult(db=db, total=len(specs), skipped=0)
+            run = _SweepRun(grid, specs, store, result, progress, interrupts)
+            run.go(grid_label or grid.name, backend, ray_address, remeasure)
+        finally:
+            store.close()
+    result.interrupted |= interrupts.pending  # a Ctrl-C during the last bookkeeping
+    return result
 
 
 class _SweepRun:
@@ -261,9 +264,9 @@ class _SweepRun:
     reported."""
 
     def __init__(self, grid: Grid, specs: list[Spec], store: Store, result: SweepResult,
-                 progress: ProgressFn | None) -> None:
+                 progress: ProgressFn | None, interrupts: Interrupts) -> None:
         self.grid, self.specs, self.store, self.result = grid, specs, store, result
-        self.progress = progress
+        self.progress, self.interrupts = progress, interrupts
         result.stale = store.mark_stale_sweeps()
         done, failed = store.done(), store.failed()
         self.references = store.calibration_references(socket.gethostname())
@@ -279,28 +282,29 @@ class _SweepRun:
         result, grid = self.result, self.grid
         self.store.start_sweep(self.sweep_id, label, backend, len(self.todo))
         start = time.perf_counter()
-        previous = {sig: signal.signal(sig, _raise_interrupt)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
         status = "failed"
         try:
-            run_all(self.todo, grid.timeout, self.record, 0.0, self.references, backend,
-                    ray_address, self.wait_left)
-            if remeasure and not result.wait_spent:
-                run_all(self.untrusted(), grid.timeout, self.record_again, SETTLE_S,
-                        self.references, backend, ray_address, self.wait_left)
+            with self.interrupts.released():
+                run_all(self.todo, grid.timeout, self.record, 0.0, self.references, backend,
+                        ray_address, self.wait_left)
+                if remeasure and not result.wait_spent:
+                    run_all(self.untrusted(), grid.timeout, self.record_again, SETTLE_S,
+                            self.references, backend, ray_address, self.wait_left)
             status = "complete"
         except KeyboardInterrupt:
             result.interrupted = True
             status = "interrupted"
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             result.wall_s = time.perf_counter() - start
             self.store.finish_sweep(self.sweep_id, result.wall_s, result.measured_s, status,
                                     result.waited_s)
             result.untrusted = len(self.untrusted())
 
     def record(self, spec: Spec, out: dict) -> None:
+        with self.interrupts.held():  # the rows and the tally, whole, before a Ctrl-C acts
+            self._record(spec, out)
+
+    def _record(self, spec: Spec, out: dict) -> None:
         result = self.result
         self.store.write_config(config_id(spec.to_dict()), self.sweep_id, spec.to_dict(),
                                 out["rows"], out["measured_s"])
@@ -315,6 +319,10 @@ class _SweepRun:
                           if busy else outcome, result.skipped + len(result), result.total)
 
     def record_again(self, spec: Spec, out: dict) -> None:
+        with self.interrupts.held():
+            self._record_again(spec, out)
+
+    def _record_again(self, spec: Spec, out: dict) -> None:
         """A second attempt replaces the first only when the guard trusted it."""
         result = self.result
         result.remeasured += 1
@@ -376,6 +384,3 @@ def run_all(specs: list[Spec], timeout: float, record: Callable[[Spec, dict], No
         for worker in warm.values():
             worker.close()
 
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
