@@ -2,13 +2,18 @@
 traceback, and what to run next; a sweep's are in `test_sweep` (it stores rows as it goes
 and says how to resume)."""
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import duckdb
 import pytest
+import typer
 
+from rematlab.cli.app import handles_errors
 from tests.test_sweep import TINY
 
 
@@ -48,3 +53,24 @@ def test_ctrl_c_in_a_study_exits_130_and_says_how_to_resume(tmp_path, delay):
     assert code == 130, said
     assert "Traceback" not in said
     assert f"rematlab study --grid {grid} --db {db} --out {out}" in said
+
+
+def test_a_ctrl_c_that_duckdb_reports_as_its_own_error_is_an_interrupt(capsys):
+    """DuckDB turns a Ctrl-C that lands inside a query into `RuntimeError: Query
+    interrupted`: a command that reads or writes a database exits 130 all the same."""
+    @handles_errors
+    def long_query() -> None:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        duckdb.connect().execute("SELECT count(*) FROM range(100000000000)").fetchall()
+
+    with pytest.raises(typer.Exit) as stopped:
+        long_query()
+    assert stopped.value.exit_code == 130
+    assert "interrupted" in capsys.readouterr().err
+
+    @handles_errors
+    def broken() -> None:
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):  # a bug keeps its traceback
+        broken()

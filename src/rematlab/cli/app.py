@@ -53,13 +53,21 @@ def handles_errors(fn: Callable) -> Callable:
                 raise
             _fail(f"this command needs rematlab's study extra: pip install 'rematlab[study]' "
                   f"({exc.name} is not installed)")
+        except RuntimeError as exc:  # DuckDB's word for a Ctrl-C that lands in a query
+            if "duckdb" not in sys.modules or str(exc) != "Query interrupted":
+                raise
+            _interrupted()
         except KeyboardInterrupt:  # a sweep or a study says what it kept and exits 130 itself
-            sys.stderr.write("interrupted: nothing was written (an --out file is written only "
-                             "when complete); run it again with: rematlab "
-                             f"{shlex.join(sys.argv[1:])}\n")
-            raise typer.Exit(130) from None
+            _interrupted()
 
     return wrapper
+
+
+def _interrupted() -> None:
+    sys.stderr.write("interrupted: nothing was written (an --out file is written only "
+                             "when complete); run it again with: rematlab "
+                     f"{shlex.join(sys.argv[1:])}\n")
+    raise typer.Exit(130) from None
 
 
 def _print_json(data: Any) -> None:
