@@ -15,8 +15,10 @@ import traceback
 from pathlib import Path
 
 _CTX = mp.get_context("forkserver")
-# transformers too: the tests' user models import it, and it takes seconds to import
-_CTX.set_forkserver_preload(["rematlab.cli", "rematlab.study.sweep",
+# transformers too: the tests' user models import it, and it takes seconds to import; skops
+# (predict, fit) first, as in conftest: imported after transformers it takes seconds more
+_CTX.set_forkserver_preload(["skops.io", "rematlab.study.predictor", "rematlab.cli",
+                             "rematlab.study.sweep",
                              "rematlab.measurement.measure",
                              "transformers.models.gpt2.modeling_gpt2"])
 

@@ -22,6 +22,8 @@ name = "mlp3"
 [[models]]
 name = "lenet5"
 """
+# one batch of the same: 6 configurations, what the sweep's own tests need (make test)
+SMALL_GRID = TINY_GRID.replace('name = "tiny"', 'name = "small"').replace("[4, 8]", "[4]")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,22 +49,43 @@ def _deterministic(monkeypatch):
     yield
 
 
-@pytest.fixture(scope="session")
-def tiny_sweep(tmp_path_factory):
-    """The tiny grid swept once per session (grid path, database, the sweep's result):
-    tests that read a measured dataset share it through `tiny_db`."""
+def _swept(where, text: str):
+    """`text`'s grid swept into a database in `where`: the grid's path, the database, the
+    sweep's result."""
     from rematlab.study.grid import load_grid
     from rematlab.study.sweep import sweep
 
-    where = tmp_path_factory.mktemp("tiny")
-    grid = where / "tiny.toml"
-    grid.write_text(TINY_GRID)
+    grid = where / "grid.toml"
+    grid.write_text(text)
     return grid, where / "r.duckdb", sweep(load_grid(grid), where / "r.duckdb")
+
+
+def _copied(swept, tmp_path):
+    grid, db, result = swept
+    shutil.copy(db, tmp_path / "r.duckdb")
+    return grid, tmp_path / "r.duckdb", result
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory):
+    """The tiny grid swept once per session: tests that fit predictors and run the study on
+    a measured dataset share it through `tiny_db`."""
+    return _swept(tmp_path_factory.mktemp("tiny"), TINY_GRID)
 
 
 @pytest.fixture
 def tiny_db(tiny_sweep, tmp_path):
     """A copy of the session's tiny sweep for one test to read or extend."""
-    grid, db, result = tiny_sweep
-    shutil.copy(db, tmp_path / "r.duckdb")
-    return grid, tmp_path / "r.duckdb", result
+    return _copied(tiny_sweep, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def small_sweep(tmp_path_factory):
+    """The small grid swept once per session, for the sweep's own tests (`small_db`)."""
+    return _swept(tmp_path_factory.mktemp("small"), SMALL_GRID)
+
+
+@pytest.fixture
+def small_db(small_sweep, tmp_path):
+    """A copy of the session's small sweep for one test to read or extend."""
+    return _copied(small_sweep, tmp_path)

@@ -109,22 +109,22 @@ def test_unwritable_database_path_is_a_config_error(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
 
 
-def test_sweep_stores_rows_and_resumes_without_duplicates(tiny_db):
-    grid_path, db, first = tiny_db
+def test_sweep_stores_rows_and_resumes_without_duplicates(small_db):
+    grid_path, db, first = small_db
     grid = load_grid(grid_path)
-    assert first.outcomes["ok"] == 12 and first.skipped == 0
-    assert first.errors.empty and len(first.frame()) == 12
+    assert first.outcomes["ok"] == 6 and first.skipped == 0
+    assert first.errors.empty and len(first.frame()) == 6
     fastest = first.best("step_s_median")
     assert fastest["step_s_median"] == first.frame()["step_s_median"].min()
     # the guard's verdict per configuration, as the first sweep left it (the next sweep
     # gives an untrusted configuration another try, which may change it)
-    assert load(db, "config_summary")["trusted"].sum() == 12 - first.untrusted
+    assert load(db, "config_summary")["trusted"].sum() == 6 - first.untrusted
     again = sweep(grid, db)
-    assert again.skipped == 12 and len(again) == 0
+    assert again.skipped == 6 and len(again) == 0
     runs = load(db)
-    assert len(runs) == 24 and not runs.duplicated(["config_id", "repeat"]).any()
+    assert len(runs) == 12 and not runs.duplicated(["config_id", "repeat"]).any()
     summary = load(db, "config_summary")
-    assert len(summary) == 12 and (summary["n"] == 2).all()
+    assert len(summary) == 6 and (summary["n"] == 2).all()
     assert (summary["peak_bytes_median"] > 0).all()
     assert set(runs["vendor"]) == {"CPU"} and runs["method_peak"].notna().all()
     # the workers are rematlab's own processes: freed host memory retained, and recorded
@@ -289,14 +289,14 @@ def test_store_lock_error_is_a_typed_exception(tmp_path):
     assert proc.exitcode == 7
 
 
-def test_export_and_load_round_trip(tiny_db, tmp_path):
-    _, db, _ = tiny_db
+def test_export_and_load_round_trip(small_db, tmp_path):
+    _, db, _ = small_db
     for fmt in ("parquet", "csv"):
         out = tmp_path / f"runs.{fmt}"
         proc = _cli("export", "--db", str(db), "--out", str(out), "--format", fmt)
         assert proc.returncode == 0, proc.stderr
         frame = pd.read_parquet(out) if fmt == "parquet" else pd.read_csv(out)
-        assert len(frame) == len(load(db)) == 24
+        assert len(frame) == len(load(db)) == 12
     proc = _cli("export", "--db", str(db), "--out", str(tmp_path / "x"), "--format", "xlsx")
     assert proc.returncode == 2
 
