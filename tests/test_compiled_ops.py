@@ -85,7 +85,6 @@ class _Wavering(nn.Module):
         return torch.tanh(y) * 2 if self.flip else torch.sigmoid(y) + 1
 
 
-@pytest.mark.slow  # 11 s of cold compiles (make test keeps the refusal of a stale option)
 def test_an_option_torch_compile_cannot_run_is_dropped_with_a_warning():
     torch.manual_seed(0)
     model = nn.Sequential(_Wavering(), nn.Linear(64, 10).double())

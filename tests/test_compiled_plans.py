@@ -31,7 +31,6 @@ def planning():
     return prepare(_chain(), X, compile=True, fractions=(0.0, 1.0))
 
 
-@pytest.mark.slow  # 24 s of cold compiles (make test keeps test_compiled_ops' compiled choice)
 def test_the_choice_is_the_fastest_measured_candidate_within_the_budget(planning):
     fractions = {f: planning.compiled.peak(p) for f, p in
                  zip((0.0, 1.0), planning.compiled.fraction_plans(), strict=True)}
