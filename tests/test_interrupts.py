@@ -74,3 +74,14 @@ def test_a_ctrl_c_that_duckdb_reports_as_its_own_error_is_an_interrupt(capsys):
 
     with pytest.raises(RuntimeError, match="something else"):  # a bug keeps its traceback
         broken()
+
+
+def test_a_ctrl_c_that_cpython_marks_unhandled_still_exits_130():
+    """A Ctrl-C that lands while C code runs Python is marked unhandled by CPython even
+    when the command catches it; `python -m rematlab.cli` then died by SIGINT (-2) instead
+    of exiting 130 (one max-batch search in three under load)."""
+    proc = subprocess.run([sys.executable, "-m", "rematlab.cli", "measure", "--model",
+                           "tests.userzoo:interrupted_inside_c", "--input-shape", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "run it again with" in proc.stderr

@@ -175,3 +175,15 @@ def announced() -> nn.Module:
     sys.stderr.flush()
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(24)))
+
+
+def interrupted_inside_c() -> nn.Module:
+    """A factory hit by Ctrl-C while C code runs Python (CPython's `PyRun_String`): CPython
+    then marks the KeyboardInterrupt unhandled, however it is caught."""
+    import ctypes
+
+    run = ctypes.pythonapi.PyRun_String
+    run.restype = ctypes.py_object
+    run.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    run(b"raise KeyboardInterrupt", 257, {}, {})  # 257: Py_file_input
+    raise AssertionError("unreachable")
