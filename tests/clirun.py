@@ -8,6 +8,7 @@ directory, argv, stdout, stderr and exit status. Only the interpreter start-up a
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,3 +85,10 @@ def process(target, *args) -> mp.process.BaseProcess:
     proc.start()
     proc.join(120)
     return proc
+
+
+def foreground() -> None:
+    """`preexec_fn` for a command a test will Ctrl-C: SIGINT at its default, as in a
+    terminal's foreground job, whatever the test runner inherited (a shell starts background
+    jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

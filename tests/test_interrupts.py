@@ -14,12 +14,14 @@ import pytest
 import typer
 
 from rematlab.cli.app import handles_errors
+from tests import clirun
 from tests.test_sweep import TINY
 
 
 def _interrupted(args: list[str], delay: float, cwd=None) -> tuple[int, str]:
     """Run `rematlab args`, wait for its first stderr line and `delay` seconds, Ctrl-C it."""
     proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", *args], cwd=cwd,
+                            preexec_fn=clirun.foreground,
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     first = proc.stderr.readline()
     time.sleep(delay)
@@ -57,7 +59,16 @@ def test_ctrl_c_in_a_study_exits_130_and_says_how_to_resume(tmp_path, delay):
 
 def test_a_ctrl_c_that_duckdb_reports_as_its_own_error_is_an_interrupt(capsys):
     """DuckDB turns a Ctrl-C that lands inside a query into `RuntimeError: Query
-    interrupted`: a command that reads or writes a database exits 130 all the same."""
+    interrupted`: a command that reads or writes a database exits 130 all the same. (Python's
+    own SIGINT handler for the test, as in a terminal: a background job ignores SIGINT.)"""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _duckdb_interrupted(capsys)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _duckdb_interrupted(capsys) -> None:
     @handles_errors
     def long_query() -> None:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()

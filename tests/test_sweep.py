@@ -151,7 +151,8 @@ def _sweep_until(tmp_path: Path, progress: str):
     grid_path = _grid(tmp_path, body=TINY.format(extra=""))
     db = tmp_path / "r.duckdb"
     proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
-                             "--db", str(db)], stderr=subprocess.PIPE, text=True)
+                             "--db", str(db)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=clirun.foreground)
     for line in proc.stderr:
         if line.startswith(progress):
             break
@@ -235,13 +236,14 @@ def test_ctrl_c_during_a_database_write_is_held_until_it_ends(tmp_path, monkeypa
         return write(self, *args, **kwargs)
 
     monkeypatch.setattr(Store, during, ctrl_c_then_write)
+    before = signal.getsignal(signal.SIGINT)
     result = sweep(grid, db, remeasure=False)
     assert result.interrupted and len(result) == kept
     with Store(db) as store:
         assert len(store.done()) == kept
         status = store.con.execute("SELECT status FROM sweeps").fetchall()
     assert status == [("interrupted",)] and len(load(db)) == 2 * kept
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the runner's own handler again
 
 
 @pytest.mark.slow
@@ -253,7 +255,8 @@ def test_sigint_in_the_first_seconds_exits_130_with_the_resume_command(tmp_path,
     grid_path = _grid(tmp_path, body=TINY.format(extra=""))
     db = tmp_path / "r.duckdb"
     proc = subprocess.Popen([sys.executable, "-m", "rematlab.cli", "sweep", str(grid_path),
-                             "--db", str(db)], stderr=subprocess.PIPE, text=True)
+                             "--db", str(db)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=clirun.foreground)
     first = proc.stderr.readline()  # the sweep has opened its store and begun
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
