@@ -8,7 +8,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -63,9 +63,9 @@ def handles_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def _interrupted() -> None:
-    sys.stderr.write("interrupted: nothing was written (an --out file is written only "
-                             "when complete); run it again with: rematlab "
+def _interrupted() -> NoReturn:
+    sys.stderr.write("interrupted: nothing was written (an --out file is written only when "
+                     "complete); run it again with: rematlab "
                      f"{shlex.join(sys.argv[1:])}\n")
     raise typer.Exit(130) from None
 
