@@ -18,6 +18,8 @@ def test_uv_is_given_the_index_settings_pip_obeys(tmp_path, monkeypatch):
     conf.write_text("[global]\nextra-index-url = file:///one file:///two\n"
                     "find-links = /from-file\nconstraint = /global.txt\n"
                     "[install]\nconstraint = /install.txt\n")
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(name, raising=False)  # this machine's own, if any
     monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
     monkeypatch.setenv("PIP_FIND_LINKS", "/from-env")
     settings = install.pip_settings()
