@@ -35,9 +35,10 @@ def pip_settings() -> dict[str, list[str]]:
         section, _, key = name.rpartition(".")
         if key in _SETTINGS:
             found[(section, key)] = shlex.split(shlex.split(value)[0])  # 'a b' -> [a, b]
-    return {key: next(found[(section, key)] for section in _PRECEDENCE
-                      if (section, key) in found)
-            for key in _SETTINGS if any((section, key) in found for section in _PRECEDENCE)}
+    settings: dict[str, list[str]] = {}
+    for section in reversed(_PRECEDENCE):  # the section pip obeys is written last
+        settings |= {key: values for (where, key), values in found.items() if where == section}
+    return settings
 
 
 def uv_command(args: list[str], settings: dict[str, list[str]]) -> list[str]:
